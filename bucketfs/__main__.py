@@ -1,0 +1,3 @@
+from bucketfs.cli import main
+
+raise SystemExit(main())

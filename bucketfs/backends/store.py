@@ -1,0 +1,88 @@
+"""The async face of a blocking backend.
+
+Every SDK call runs in a worker thread; a CapacityLimiter bounds how many run at
+once (and so how many connections and response buffers exist). Each call goes
+through the one retry policy.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import trio
+
+from bucketfs.backends.base import Backend, ObjectInfo
+from bucketfs.backends.retry import RetryPolicy, call_with_retries
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class RequestCounts:
+    """Requests sent to the origin, retries included (metrics read these)."""
+
+    get: int = 0
+    head: int = 0
+    list: int = 0
+    retries: int = 0
+    bytes_fetched: int = 0
+
+
+@dataclass(slots=True)
+class DirListing:
+    objects: list[ObjectInfo] = field(default_factory=list)
+    prefixes: list[str] = field(default_factory=list)
+    pages: int = 0
+
+
+class ObjectStore:
+    def __init__(
+        self, backend: Backend, *, max_workers: int, retry: RetryPolicy, page_size: int = 1000
+    ) -> None:
+        self.backend = backend
+        self.retry = retry
+        self.page_size = page_size
+        self.limiter = trio.CapacityLimiter(max_workers)
+        self.counts = RequestCounts()
+
+    async def _run(self, what: str, kind: str, fn: Callable[[], T]) -> T:
+        async def attempt() -> T:
+            setattr(self.counts, kind, getattr(self.counts, kind) + 1)
+            return await trio.to_thread.run_sync(fn, limiter=self.limiter)
+
+        def count_retry() -> None:
+            self.counts.retries += 1
+
+        return await call_with_retries(self.retry, what, attempt, count_retry)
+
+    async def list_dir(self, prefix: str) -> DirListing:
+        """Every object and common prefix directly under `prefix`, all pages."""
+        out = DirListing()
+        token: str | None = None
+        while True:
+            page = await self._run(
+                f"LIST {prefix!r}",
+                "list",
+                functools.partial(self.backend.list_page, prefix, "/", token, self.page_size),
+            )
+            out.pages += 1
+            out.objects.extend(page.objects)
+            out.prefixes.extend(page.prefixes)
+            token = page.next_token
+            if token is None:
+                return out
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await self._run(f"HEAD {key!r}", "head", functools.partial(self.backend.head, key))
+
+    async def get_range(self, key: str, version: str, start: int, length: int) -> bytes:
+        data = await self._run(
+            f"GET {key!r} [{start}, {start + length})",
+            "get",
+            functools.partial(self.backend.get_range, key, version, start, length),
+        )
+        self.counts.bytes_fetched += len(data)
+        return data
