@@ -58,6 +58,9 @@ class ObjectStore:
 
         return await call_with_retries(self.retry, what, attempt, count_retry)
 
+    async def check_access(self) -> None:
+        await self._run(f"checking {self.backend.url}", "list", self.backend.check_access)
+
     async def list_dir(self, prefix: str) -> DirListing:
         """Every object and common prefix directly under `prefix`, all pages."""
         out = DirListing()

@@ -30,8 +30,8 @@ def parse_bucket_url(text: str) -> BucketUrl:
     parts = urlsplit(text)
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
-        raise BadUrl(f"unsupported URL {text!r}: expected s3://BUCKET[/PREFIX], gs://BUCKET[/PREFIX] "
-                     "or file:///PATH")
+        raise BadUrl(f"unsupported URL {text!r}: expected s3://BUCKET[/PREFIX], "
+                     "gs://BUCKET[/PREFIX] or file:///PATH")
     if parts.query or parts.fragment:
         raise BadUrl(f"URL {text!r} must not have a query or fragment")
     if scheme == "file":

@@ -1,0 +1,205 @@
+"""The `bucketfs` command: mount, umount.
+
+`bucketfs mount` without --foreground starts the daemon as a child process in its own
+session and waits on a pipe until the child reports the mount ready (exit 0) or
+reports the one-line reason it could not mount (exit 1). The child is the same command
+with --foreground, so both paths run the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from bucketfs import __version__
+from bucketfs.backends.urls import BadUrl, parse_bucket_url
+from bucketfs.config import OPTIONS, ConfigError, load_config
+from bucketfs.runtime import FSTYPE, default_log_file, mounted, state_dir
+
+PROG = "bucketfs"
+
+
+def error(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _add_option_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("mount options (also settable in --config; flags win)")
+    for option in OPTIONS:
+        if option.parse.__name__ == "_bool":
+            group.add_argument(option.flag, dest=option.name, action="store_const",
+                               const=True, default=None, help=option.help)
+        else:
+            group.add_argument(option.flag, dest=option.name, default=None, metavar="VALUE",
+                               help=option.help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Mount an S3 or GCS bucket (or a prefix of one) as a read-only directory.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    mount = commands.add_parser(
+        "mount", help="mount a bucket",
+        description="Mount URL (s3://BUCKET[/PREFIX], gs://BUCKET[/PREFIX] or file:///PATH) "
+                    "read-only on MOUNTPOINT. Returns once the mount is ready.",
+    )
+    mount.add_argument("url", metavar="URL")
+    mount.add_argument("mountpoint", metavar="MOUNTPOINT")
+    mount.add_argument("--config", metavar="FILE", help="TOML file of options "
+                       "(see mount.conf.example)")
+    mount.add_argument("--foreground", "-f", action="store_true",
+                       help="stay in the foreground and log to stderr; Ctrl-C unmounts")
+    mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    _add_option_flags(mount)
+
+    umount = commands.add_parser(
+        "umount", help="unmount a bucketfs mount",
+        description="Unmount MOUNTPOINT and wait for its daemon to exit.",
+    )
+    umount.add_argument("mountpoint", metavar="MOUNTPOINT")
+    umount.add_argument("--timeout", type=float, default=30.0,
+                        help="seconds to wait for the daemon to exit (default 30)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "mount":
+        return cmd_mount(args)
+    return cmd_umount(args)
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    overrides = {o.name: value for o in OPTIONS if (value := getattr(args, o.name)) is not None}
+    try:
+        url = parse_bucket_url(args.url)
+        config = load_config(args.config, overrides)
+    except (BadUrl, ConfigError) as exc:
+        return _report(args, str(exc))
+    if args.foreground:
+        return _mount_foreground(args, url, config)
+    return _spawn_daemon(args, config)
+
+
+def _report(args: argparse.Namespace, message: str) -> int:
+    """A mount-time error: to the waiting parent (daemon mode) and to stderr."""
+    if args.ready_fd is not None:
+        with os.fdopen(args.ready_fd, "w") as pipe:
+            pipe.write(message.replace("\n", " ") + "\n")
+    return error(message)
+
+
+def _mount_foreground(args: argparse.Namespace, url: object, config: object) -> int:
+    # Imported here so `bucketfs --help` and `umount` do not load pyfuse3 and the SDKs.
+    from bucketfs.logs import setup_logging
+    from bucketfs.mount import MountError, MountInfo, run_mount
+
+    setup_logging(config.log_level, config.log_file)  # type: ignore[attr-defined]
+
+    def ready() -> None:
+        if args.ready_fd is not None:
+            os.write(args.ready_fd, b"ready\n")
+            os.close(args.ready_fd)
+            args.ready_fd = None
+
+    try:
+        run_mount(MountInfo(url, args.mountpoint, config), ready)  # type: ignore[arg-type]
+    except MountError as exc:
+        return _report(args, str(exc))
+    return 0
+
+
+def _spawn_daemon(args: argparse.Namespace, config: object) -> int:
+    log_file = config.log_file or default_log_file(os.path.abspath(args.mountpoint))  # type: ignore[attr-defined]
+    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    read_end, write_end = os.pipe()
+    command = [*_child_argv(args), "--foreground", "--ready-fd", str(write_end),
+               "--log-file", log_file]
+    with open(log_file, "ab") as log:
+        child = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            pass_fds=(write_end,), start_new_session=True,
+        )
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        status = pipe.readline().strip()
+    if status == "ready":
+        return 0
+    if not status:
+        child.wait()
+        return error(f"the mount daemon exited ({child.returncode}) before the mount was "
+                     f"ready; see {log_file}")
+    child.wait()
+    return error(status)
+
+
+def _child_argv(args: argparse.Namespace) -> list[str]:
+    """The daemon's command line: this mount command, with every option it was given."""
+    command = [sys.executable, "-m", "bucketfs", "mount", args.url,
+               os.path.abspath(args.mountpoint)]
+    if args.config:
+        command += ["--config", os.path.abspath(args.config)]
+    for option in OPTIONS:
+        value = getattr(args, option.name)
+        if value is True:
+            command.append(option.flag)
+        elif value is not None and option.name != "log_file":
+            command += [option.flag, str(value)]
+    return command
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    path = os.path.abspath(args.mountpoint)
+    entry = mounted(path) or mounted(os.path.realpath(path))
+    if entry is None:
+        return error(f"{args.mountpoint} is not mounted")
+    if entry.fstype != FSTYPE:
+        return error(f"{args.mountpoint} is not a bucketfs mount ({entry.fstype})")
+    pid = _daemon_pid(entry.mountpoint)
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    command = [tool, "-u", entry.mountpoint] if tool else ["umount", entry.mountpoint]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        reason = (result.stderr or result.stdout).strip().splitlines()
+        return error(f"cannot unmount {args.mountpoint}: "
+                     f"{reason[-1] if reason else 'unknown error'}")
+    if pid is not None and not _wait_exit(pid, args.timeout):
+        return error(f"unmounted, but the daemon (pid {pid}) is still running after "
+                     f"{args.timeout:g}s")
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (nobody reaped it yet) has finished."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _daemon_pid(mountpoint: str) -> int | None:
+    try:
+        return int((state_dir(mountpoint) / "pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + (timeout if math.isfinite(timeout) else 1e9)
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False

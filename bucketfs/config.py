@@ -1,0 +1,274 @@
+"""Mount configuration: one table of options feeds the TOML loader, the command line
+and mount.conf.example, so the three cannot drift apart.
+
+A key is written `section.name` in TOML (`[read]` then `part_size = "8MiB"`) and
+`--name-with-dashes` on the command line; flags override the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A malformed configuration; the message is one line naming the key."""
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_size(value: object) -> int:
+    """`4GiB`, `512MB`, `65536` -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 64MiB")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("a size cannot be negative")
+        return value
+    if not isinstance(value, str):
+        raise ValueError("expected a size such as 64MiB")
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"{value!r} is not a size such as 64MiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def parse_duration(value: object) -> float:
+    """Seconds as a number, or `forever` (infinity)."""
+    if isinstance(value, str) and value.strip().lower() in ("forever", "inf", "infinite"):
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError("expected seconds or 'forever'")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a number of seconds or 'forever'") from None
+    if seconds < 0 or math.isnan(seconds):
+        raise ValueError("a duration cannot be negative")
+    return seconds
+
+
+def _positive_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("expected a positive integer")
+    number = int(value)
+    if number <= 0:
+        raise ValueError("expected a positive integer")
+    return number
+
+
+def _optional_int(value: object) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("expected an integer")
+    return int(value)
+
+
+def _positive_float(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError("expected a positive number")
+    number = float(value)
+    if not number > 0:
+        raise ValueError("expected a positive number")
+    return number
+
+
+def _bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+        return True
+    if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _optional_str(value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ValueError("expected a string")
+    return value
+
+
+def _choice(*choices: str) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return str(value)
+
+    return parse
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    section: str
+    name: str
+    parse: Callable[[object], Any]
+    default: Any
+    help: str
+    #: How the default reads in mount.conf.example (None: commented out, no default value).
+    example: str | None
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("mount", "uid", _optional_int, None,
+           "owner of every file and directory (default: the mounting user)", None),
+    Option("mount", "gid", _optional_int, None,
+           "group of every file and directory (default: the mounting user's group)", None),
+    Option("mount", "allow_other", _bool, False,
+           "let other users read the mount (needs user_allow_other in /etc/fuse.conf "
+           "unless root)", "false"),
+    Option("mount", "metadata_ttl", parse_duration, math.inf,
+           "how long a directory listing is trusted before it is listed again; "
+           "training data does not change, so by default for the life of the mount",
+           '"forever"'),
+    Option("mount", "kernel_ttl", parse_duration, 3600.0,
+           "seconds the kernel may cache names, attributes and missing names "
+           "(capped by metadata_ttl)", "3600"),
+    Option("mount", "log_level", _choice("debug", "info", "warning", "error"), "info",
+           "log verbosity", '"info"'),
+    Option("mount", "log_file", _optional_str, None,
+           "where the daemon logs (default: ~/.local/state/bucketfs/<mountpoint>.log; "
+           "stderr with --foreground)", None),
+    Option("s3", "endpoint_url", _optional_str, None,
+           "S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS)", None),
+    Option("s3", "region", _optional_str, None,
+           "region (default: the AWS SDK's chain: AWS_REGION, ~/.aws/config)", None),
+    Option("s3", "addressing_style", _choice("auto", "path", "virtual"), "auto",
+           "path-style addressing is what most S3-compatible stores want", '"auto"'),
+    Option("s3", "profile", _optional_str, None,
+           "AWS profile from ~/.aws/config (default: AWS_PROFILE or 'default')", None),
+    Option("gcs", "project", _optional_str, None,
+           "GCS project (default: from application default credentials)", None),
+    Option("gcs", "anonymous", _bool, False,
+           "read a public bucket without credentials", "false"),
+    Option("read", "part_size", parse_size, 8 * 1024**2,
+           "size of each ranged GET issued by sequential read-ahead", '"8MiB"'),
+    Option("read", "readahead_max", parse_size, 64 * 1024**2,
+           "most bytes read ahead for one open file; the window doubles while reads "
+           "stay sequential", '"64MiB"'),
+    Option("read", "readahead_budget", parse_size, 512 * 1024**2,
+           "most bytes held for read-ahead across all open files together", '"512MiB"'),
+    Option("read", "small_file_size", parse_size, 4 * 1024**2,
+           "objects up to this size are fetched whole by one GET on first read",
+           '"4MiB"'),
+    Option("origin", "max_connections", _positive_int, 16,
+           "parallel requests to the bucket (worker threads and pooled connections)", "16"),
+    Option("origin", "connect_timeout", _positive_float, 10.0,
+           "seconds to wait for a connection", "10"),
+    Option("origin", "read_timeout", _positive_float, 30.0,
+           "seconds to wait for data on an open connection", "30"),
+    Option("origin", "retry_attempts", _positive_int, 6,
+           "attempts per request on throttling, 5xx, timeouts and dropped connections "
+           "before the read fails with EIO", "6"),
+    Option("origin", "retry_base_delay", _positive_float, 0.1,
+           "first backoff in seconds; it doubles per attempt, with full jitter", "0.1"),
+    Option("origin", "retry_max_delay", _positive_float, 5.0,
+           "longest backoff in seconds", "5"),
+    Option("origin", "list_page_size", _positive_int, 1000,
+           "keys per LIST request (1000 is the S3 maximum)", "1000"),
+)
+
+OPTIONS_BY_KEY = {option.key: option for option in OPTIONS}
+OPTIONS_BY_NAME = {option.name: option for option in OPTIONS}
+assert len(OPTIONS_BY_NAME) == len(OPTIONS), "option names must be unique across sections"
+
+
+class Config:
+    """Validated option values, read as attributes by option name (`config.part_size`)."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self._values = {option.name: option.default for option in OPTIONS}
+        self._values.update(values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+def _parse(option: Option, value: object, where: str) -> Any:
+    try:
+        return option.parse(value)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{where}: bad value for {option.key}: {exc}") from None
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) -> Config:
+    """Read the TOML file (if any), then apply command-line overrides (by option name)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        where = str(path)
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{where}: no such config file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{where}: cannot read config file: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{where}: not valid TOML: {exc}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{where}: unknown key {section!r} (options live in "
+                                  "sections such as [mount] or [read])")
+            for name, value in table.items():
+                option = OPTIONS_BY_KEY.get(f"{section}.{name}")
+                if option is None:
+                    raise ConfigError(f"{where}: unknown key {section}.{name}")
+                values[option.name] = _parse(option, value, where)
+    for name, value in overrides.items():
+        option = OPTIONS_BY_NAME[name]
+        values[name] = _parse(option, value, f"option {option.flag}")
+    config = Config(values)
+    if config.readahead_max > config.readahead_budget:
+        raise ConfigError("read.readahead_max must not exceed read.readahead_budget")
+    if config.part_size > config.readahead_max:
+        raise ConfigError("read.part_size must not exceed read.readahead_max")
+    return config
+
+
+def render_example() -> str:
+    """The text of mount.conf.example (a test checks the file matches)."""
+    lines = [
+        "# bucketfs mount configuration (TOML). Every option with its default.",
+        "# Use: bucketfs mount URL MOUNTPOINT --config FILE; command-line flags override",
+        "# the file (each option's flag is its name with dashes: part_size -> --part-size).",
+        "# Sizes accept B, KB, MB, GB, KiB, MiB, GiB; durations are seconds or \"forever\".",
+    ]
+    section = None
+    for option in OPTIONS:
+        if option.section != section:
+            section = option.section
+            lines += ["", f"[{section}]"]
+        lines.append(f"# {option.help}")
+        if option.example is None:
+            lines.append(f"# {option.name} =")
+        else:
+            lines.append(f"{option.name} = {option.example}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,212 @@
+"""The FUSE operations: a thin edge that translates between the kernel and the
+namespace and reader. Only FUSEError leaves a handler; everything that would modify
+the tree answers EROFS.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+import pyfuse3
+import trio
+
+from bucketfs.backends.base import BackendError, NotFound, VersionChanged
+from bucketfs.namespace import Namespace, Node
+from bucketfs.reader import OpenFile, Reader
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+
+def fuse_errors(handler: F) -> F:
+    """Translate whatever a handler raises into a FUSEError for the kernel."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await handler(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except KeyError:  # an inode this mount never handed out
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+        except BackendError as exc:
+            log.error("%s: %s", handler.__name__, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception:
+            log.exception("%s failed", handler.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return cast(F, wrapper)
+
+
+def _read_only(name: str) -> Callable[..., Awaitable[None]]:
+    async def handler(self: Operations, *args: Any) -> None:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    handler.__name__ = name
+    return handler
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(
+        self, namespace: Namespace, reader: Reader, *, uid: int, gid: int, kernel_ttl: float
+    ) -> None:
+        super().__init__()
+        self.namespace = namespace
+        self.reader = reader
+        self.uid = uid
+        self.gid = gid
+        self.kernel_ttl = kernel_ttl
+        self.handles: dict[int, tuple[Node, OpenFile]] = {}
+        self._next_fh = 1
+
+    def _attributes(self, node: Node) -> pyfuse3.EntryAttributes:
+        attrs = pyfuse3.EntryAttributes()
+        attrs.st_ino = node.inode
+        attrs.generation = 0
+        attrs.entry_timeout = self.kernel_ttl
+        attrs.attr_timeout = self.kernel_ttl
+        if node.is_dir:
+            attrs.st_mode = stat.S_IFDIR | 0o555
+            # 1 tells find(1) and friends not to infer subdirectory counts from nlink.
+            attrs.st_nlink = 1
+        else:
+            attrs.st_mode = stat.S_IFREG | 0o444
+            attrs.st_nlink = 1
+        attrs.st_size = node.size
+        attrs.st_blksize = 128 * 1024
+        attrs.st_blocks = (node.size + 511) // 512
+        attrs.st_uid = self.uid
+        attrs.st_gid = self.gid
+        attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = node.mtime_ns
+        return attrs
+
+    @fuse_errors
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        node = await self.namespace.lookup(parent_inode, os.fsdecode(name))
+        if node is None:
+            # Inode 0 with a timeout makes the kernel remember that the name is missing.
+            attrs = pyfuse3.EntryAttributes()
+            attrs.st_ino = 0
+            attrs.entry_timeout = self.kernel_ttl
+            return attrs
+        return self._attributes(node)
+
+    @fuse_errors
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attributes(self.namespace.get(inode))
+
+    @fuse_errors
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if not self.namespace.get(inode).is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    @fuse_errors
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        # Offsets index the sorted listing, which stays the same while it is cached.
+        children = await self.namespace.children(fh)
+        for index in range(start_id, len(children)):
+            node = children[index]
+            if not pyfuse3.readdir_reply(
+                token, os.fsencode(node.name), self._attributes(node), index + 1
+            ):
+                break
+
+    async def releasedir(self, fh: int) -> None:
+        pass
+
+    @fuse_errors
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if flags & _WRITE_FLAGS:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        node = self.namespace.get(inode)
+        if node.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = (node, self.reader.open(node.key, node.version, node.size))
+        # The bytes of a version never change, so the kernel page cache may keep them;
+        # after the object changed, the first open drops what the kernel cached.
+        keep_cache = node.kernel_version in ("", node.version)
+        node.kernel_version = node.version
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
+
+    @fuse_errors
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        node, handle = self.handles[fh]
+        try:
+            return await self.reader.read(handle, off, size)
+        except VersionChanged:
+            await self._object_changed(node, handle)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    async def _object_changed(self, node: Node, handle: OpenFile) -> None:
+        """The bucket holds a new version: this handle fails, later opens see the new one."""
+        log.warning("object %r changed in the bucket while open; reads of the old version "
+                    "fail, new opens get the new version", node.key)
+        if node.version != handle.version:
+            return  # another handle already refreshed it
+        try:
+            self.namespace.update_file(node, await self.namespace.store.head(node.key))
+        except NotFound:
+            node.size = 0
+            node.version = "gone"
+        # Not from inside a handler (that can deadlock the kernel): a thread does it once
+        # this request has been answered.
+        self.reader.nursery.start_soon(
+            functools.partial(trio.to_thread.run_sync, pyfuse3.invalidate_inode, node.inode, True)
+        )
+
+    async def release(self, fh: int) -> None:
+        entry = self.handles.pop(fh, None)
+        if entry is not None:
+            self.reader.close(entry[1])
+
+    @fuse_errors
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = data.f_frsize = 4096
+        data.f_blocks = (self.namespace.known_bytes + 4095) // 4096
+        data.f_bfree = data.f_bavail = 0
+        data.f_files = len(self.namespace.nodes)
+        data.f_ffree = data.f_favail = 0
+        data.f_namemax = 255
+        return data
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return []
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        pass  # inodes live as long as the mount, so there is nothing to free
+
+    setattr = _read_only("setattr")
+    mknod = _read_only("mknod")
+    mkdir = _read_only("mkdir")
+    unlink = _read_only("unlink")
+    rmdir = _read_only("rmdir")
+    symlink = _read_only("symlink")
+    rename = _read_only("rename")
+    link = _read_only("link")
+    create = _read_only("create")
+    write = _read_only("write")
+    setxattr = _read_only("setxattr")
+    removexattr = _read_only("removexattr")

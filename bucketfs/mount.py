@@ -1,0 +1,196 @@
+"""Mounting: checks that fail early with one clear line, then the serving loop.
+
+Order of work (and of teardown, in reverse):
+  1. check the mountpoint and /dev/fuse (nothing started yet);
+  2. build the backend and prove the bucket can be listed;
+  3. pyfuse3.init mounts; from here on every exit path unmounts;
+  4. tell the waiting parent we are ready; serve until unmounted or signalled.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from bucketfs.backends import open_backend
+from bucketfs.backends.base import Backend, BackendError
+from bucketfs.backends.retry import RetryPolicy
+from bucketfs.backends.settings import BackendSettings
+from bucketfs.backends.store import ObjectStore
+from bucketfs.backends.urls import BucketUrl
+from bucketfs.config import Config
+from bucketfs.fs import Operations
+from bucketfs.namespace import Namespace
+from bucketfs.reader import ByteBudget, Reader, ReadSettings
+from bucketfs.runtime import FSTYPE, mounted, state_dir
+
+log = logging.getLogger(__name__)
+
+# At mount time an unreachable endpoint or a broken credential should be reported in
+# seconds, not after the full read-time retry budget.
+MOUNT_CHECK_RETRY = RetryPolicy(attempts=3, base_delay=0.2, max_delay=1.0)
+
+
+class MountError(Exception):
+    """Mounting cannot proceed; the message is the one line the user sees."""
+
+
+def check_mountpoint(path: str) -> str:
+    """Return the real path of a usable mountpoint, or raise MountError saying why not."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise MountError(f"mountpoint {path} does not exist") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise MountError(f"mountpoint {path} is a stale mount whose daemon is gone; "
+                             f"run: bucketfs umount {path}") from None
+        raise MountError(f"mountpoint {path}: {exc.strerror}") from None
+    if not os.path.isdir(path):
+        raise MountError(f"mountpoint {path} is not a directory")
+    real = os.path.realpath(path)
+    entry = mounted(real)
+    if entry is not None:
+        raise MountError(f"mountpoint {path} is already mounted ({entry.fstype} from "
+                         f"{entry.source})")
+    del st
+    try:
+        if os.listdir(real):
+            raise MountError(f"mountpoint {path} is not empty")
+    except PermissionError:
+        raise MountError(f"mountpoint {path} is not readable") from None
+    return real
+
+
+def check_fuse_device() -> None:
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR)
+    except OSError as exc:
+        raise MountError(f"cannot open /dev/fuse ({exc.strerror}): is the fuse module loaded? "
+                         "in a container, pass --device /dev/fuse") from None
+    os.close(fd)
+
+
+def backend_settings(config: Config) -> BackendSettings:
+    return BackendSettings(
+        max_connections=config.max_connections,
+        connect_timeout=config.connect_timeout,
+        read_timeout=config.read_timeout,
+        endpoint_url=config.endpoint_url,
+        region=config.region,
+        addressing_style=config.addressing_style,
+        profile=config.profile,
+        gcs_project=config.project,
+        gcs_anonymous=config.anonymous,
+    )
+
+
+def fuse_options(url: BucketUrl, config: Config) -> set[str]:
+    options = set(pyfuse3.default_options)
+    options |= {"ro", f"fsname={url}", f"subtype={FSTYPE.split('.', 1)[1]}"}
+    if config.allow_other:
+        options.add("allow_other")
+    return options
+
+
+@dataclass
+class MountInfo:
+    url: BucketUrl
+    mountpoint: str
+    config: Config
+
+
+def _kernel_ttl(config: Config) -> float:
+    ttl = min(config.kernel_ttl, config.metadata_ttl)
+    return ttl if math.isfinite(ttl) else 365 * 24 * 3600.0
+
+
+async def _serve(info: MountInfo, backend: Backend, ready: Callable[[], None]) -> None:
+    config = info.config
+    retry = RetryPolicy(config.retry_attempts, config.retry_base_delay, config.retry_max_delay)
+    store = ObjectStore(backend, max_workers=config.max_connections, retry=retry,
+                        page_size=config.list_page_size)
+    try:
+        await ObjectStore(backend, max_workers=1, retry=MOUNT_CHECK_RETRY).check_access()
+    except BackendError as exc:
+        raise MountError(str(exc)) from None
+
+    namespace = Namespace(store, info.url.prefix, metadata_ttl=config.metadata_ttl)
+    async with trio.open_nursery() as nursery:
+        reader = Reader(
+            store, ByteBudget(config.readahead_budget),
+            ReadSettings(
+                part_size=config.part_size,
+                readahead_initial=min(1024**2, config.readahead_max),
+                readahead_max=config.readahead_max,
+                small_file_size=config.small_file_size,
+            ),
+            nursery,
+        )
+        operations = Operations(
+            namespace, reader,
+            uid=os.getuid() if config.uid is None else config.uid,
+            gid=os.getgid() if config.gid is None else config.gid,
+            kernel_ttl=_kernel_ttl(config),
+        )
+        try:
+            pyfuse3.init(operations, info.mountpoint, fuse_options(info.url, config))
+        except RuntimeError as exc:
+            raise MountError(f"cannot mount on {info.mountpoint}: {exc}") from None
+        try:
+            _write_state(info.mountpoint)
+            log.info("mounted %s on %s", info.url, info.mountpoint)
+            ready()
+            nursery.start_soon(_stop_on_signal)
+            # Returns when the kernel ends the session (fusermount -u) or a signal calls
+            # terminate(); unmounting an already unmounted path is harmless, and a crash
+            # must not leave a stale mount behind.
+            await pyfuse3.main(max_tasks=max(16, 2 * config.max_connections))
+        finally:
+            pyfuse3.close(unmount=True)
+            _clear_state(info.mountpoint)
+            nursery.cancel_scope.cancel()
+        log.info("unmounted %s", info.mountpoint)
+
+
+async def _stop_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("received %s; unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+def _write_state(mountpoint: str) -> None:
+    directory = state_dir(mountpoint)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (directory / "pid").write_text(f"{os.getpid()}\n")
+
+
+def _clear_state(mountpoint: str) -> None:
+    Path(state_dir(mountpoint), "pid").unlink(missing_ok=True)
+
+
+def run_mount(info: MountInfo, ready: Callable[[], None]) -> None:
+    """Mount and serve until unmounted. Raises MountError for anything the user must fix."""
+    info.mountpoint = check_mountpoint(info.mountpoint)
+    check_fuse_device()
+    try:
+        backend = open_backend(info.url, backend_settings(info.config))
+    except BackendError as exc:
+        raise MountError(str(exc)) from None
+    try:
+        trio.run(_serve, info, backend, ready)
+    except* MountError as group:
+        raise group.exceptions[0] from None
+    finally:
+        backend.close()
