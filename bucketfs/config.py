@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import textwrap
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -266,7 +267,7 @@ def render_example() -> str:
         if option.section != section:
             section = option.section
             lines += ["", f"[{section}]"]
-        lines.append(f"# {option.help}")
+        lines += [f"# {line}" for line in textwrap.wrap(option.help, 86)]
         if option.example is None:
             lines.append(f"# {option.name} =")
         else:

@@ -1,0 +1,214 @@
+"""gs:// backend on google-cloud-storage.
+
+Every call passes retry=None: `bucketfs.backends.retry` is the only place that retries,
+so every attempt here is exactly one HTTP request. With STORAGE_EMULATOR_HOST set the
+client talks to that emulator, anonymously.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import UTC, datetime, timedelta
+from typing import NoReturn
+from urllib.parse import urlsplit, urlunsplit
+
+import google.auth
+import requests
+import urllib3
+from google.api_core import exceptions as api_exceptions
+from google.auth import exceptions as auth_exceptions
+from google.auth.credentials import AnonymousCredentials, Credentials
+from google.auth.transport.requests import AuthorizedSession
+from google.cloud import storage
+from google.cloud.storage import exceptions as storage_exceptions
+
+from bucketfs.backends.base import (
+    AccessDenied,
+    BackendError,
+    ListPage,
+    NoSuchBucket,
+    NotFound,
+    ObjectInfo,
+    TransientError,
+    Unreachable,
+    VersionChanged,
+)
+from bucketfs.backends.settings import BackendSettings
+
+log = logging.getLogger(__name__)
+
+_READ_ONLY_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
+_LIST_FIELDS = "items(name,size,generation,updated),prefixes,nextPageToken"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Everything a request can raise that is a failure of the service or the network, not a bug.
+_FAILURES = (
+    api_exceptions.GoogleAPICallError,
+    auth_exceptions.GoogleAuthError,
+    requests.RequestException,
+    urllib3.exceptions.HTTPError,
+    storage_exceptions.InvalidResponse,
+    storage_exceptions.DataCorruption,
+    ConnectionError,
+)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:400]
+
+
+def _public(url: str) -> str:
+    """The endpoint for messages, without any user:password@ a user may have put in it."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def _mtime_ns(dt: datetime | None) -> int:
+    # Integer arithmetic: a float timestamp loses nanoseconds.
+    return 0 if dt is None else (dt - _EPOCH) // timedelta(microseconds=1) * 1000
+
+
+def _credentials(bucket: str, settings: BackendSettings) -> tuple[Credentials, str]:
+    """Credentials and the project to bill; anonymous for emulators and public buckets."""
+    if settings.gcs_anonymous or os.environ.get("STORAGE_EMULATOR_HOST"):
+        return AnonymousCredentials(), settings.gcs_project or "anonymous"
+    try:
+        credentials, project = google.auth.default(scopes=[_READ_ONLY_SCOPE])
+    except auth_exceptions.DefaultCredentialsError:
+        log.info("no Google credentials found; reading gs://%s anonymously", bucket)
+        return AnonymousCredentials(), settings.gcs_project or "anonymous"
+    return credentials, settings.gcs_project or project or "anonymous"
+
+
+class GcsBackend:
+    def __init__(self, bucket: str, settings: BackendSettings) -> None:
+        self.bucket = bucket
+        self.url = f"gs://{bucket}"
+        self._timeout = (settings.connect_timeout, settings.read_timeout)
+        credentials, project = _credentials(bucket, settings)
+        # Our own session, so the connection pool matches the number of worker threads
+        # (requests' default keeps 10). Its adapter does not retry either.
+        session = AuthorizedSession(credentials)
+        adapter = requests.adapters.HTTPAdapter(pool_maxsize=settings.max_connections)
+        session.mount("https://", adapter)
+        session.mount("http://", adapter)
+        self._client = storage.Client(project=project, credentials=credentials, _http=session)
+        self._bucket = self._client.bucket(bucket)
+        self.endpoint = _public(self._client.api_endpoint)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def check_access(self) -> None:
+        self.list_page("", None, None, 1)
+
+    def list_page(
+        self, prefix: str, delimiter: str | None, token: str | None, page_size: int
+    ) -> ListPage:
+        try:
+            blobs = self._client.list_blobs(
+                self._bucket,
+                prefix=prefix or None,
+                delimiter=delimiter,
+                page_token=token,
+                page_size=page_size,
+                fields=_LIST_FIELDS,
+                retry=None,
+                timeout=self._timeout,
+            )
+            page = next(blobs.pages)
+            # A "dir/" marker object is the directory itself, not an entry in it.
+            objects = [self._info(blob) for blob in page if blob.name != prefix]
+        except _FAILURES as exc:
+            self._raise(exc, prefix or None, NoSuchBucket)
+        return ListPage(
+            objects=objects, prefixes=list(page.prefixes), next_token=blobs.next_page_token
+        )
+
+    def head(self, key: str) -> ObjectInfo:
+        try:
+            blob = self._bucket.get_blob(key, retry=None, timeout=self._timeout)
+        except _FAILURES as exc:
+            self._raise(exc, key, NotFound)
+        if blob is None:
+            raise NotFound(f"{self._where(key)} via {self.endpoint}: no such object")
+        return self._info(blob)
+
+    def get_range(self, key: str, version: str, start: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        generation = int(version)
+        # Naming the generation makes GCS answer 404 once it is no longer stored (and
+        # fake-gcs-server does too; it ignores ifGenerationMatch). ifGenerationMatch
+        # also refuses a version that is kept but no longer live, on versioned buckets.
+        blob = self._bucket.blob(key, generation=generation)
+        try:
+            data = blob.download_as_bytes(
+                start=start,
+                end=start + length - 1,
+                raw_download=True,
+                checksum=None,
+                if_generation_match=generation,
+                single_shot_download=True,
+                retry=None,
+                timeout=self._timeout,
+            )
+        except _FAILURES as exc:
+            self._raise(exc, key, VersionChanged)
+        if len(data) != length:
+            raise TransientError(
+                f"{self._where(key)}: short read, {len(data)} of {length} bytes "
+                f"at offset {start}"
+            )
+        return data
+
+    @staticmethod
+    def _info(blob: storage.Blob) -> ObjectInfo:
+        return ObjectInfo(
+            key=blob.name,
+            size=blob.size or 0,
+            mtime_ns=_mtime_ns(blob.updated),
+            version=str(blob.generation),
+        )
+
+    def _where(self, key: str | None) -> str:
+        return f"gs://{self.bucket}/{key}" if key else f"gs://{self.bucket}"
+
+    def _raise(self, exc: Exception, key: str | None, missing: type[BackendError]) -> NoReturn:
+        """Translate an SDK error; `missing` is what a 404 means for this call."""
+        kind, reason = _classify(exc, missing)
+        raise kind(f"{self._where(key)} via {self.endpoint}: {_one_line(reason)}") from None
+
+
+def _classify(exc: Exception, missing: type[BackendError]) -> tuple[type[BackendError], str]:
+    name = type(exc).__name__
+    if isinstance(exc, api_exceptions.GoogleAPICallError):
+        status = exc.code or 0
+        detail = f"HTTP {status}: {exc.message}"
+        if isinstance(exc, api_exceptions.NotFound):
+            return missing, f"not found ({detail})"
+        if isinstance(exc, api_exceptions.Forbidden | api_exceptions.Unauthorized):
+            return AccessDenied, f"access denied ({detail})"
+        if isinstance(exc, api_exceptions.PreconditionFailed):
+            return VersionChanged, f"object changed ({detail})"
+        if status in _TRANSIENT_STATUS:
+            return TransientError, f"temporary failure ({detail})"
+        return BackendError, f"request failed ({detail})"
+    if isinstance(exc, auth_exceptions.RefreshError):
+        return AccessDenied, f"cannot obtain an access token ({name}: {exc})"
+    if isinstance(exc, auth_exceptions.TransportError):
+        return TransientError, f"cannot reach the token service ({name}: {exc})"
+    if isinstance(exc, requests.Timeout):
+        return TransientError, f"timed out ({name})"
+    if isinstance(exc, requests.ConnectionError):
+        # requests wraps urllib3's MaxRetryError; its reason says whether we ever connected.
+        cause = exc.args[0] if exc.args else None
+        if isinstance(getattr(cause, "reason", None), urllib3.exceptions.NewConnectionError):
+            return Unreachable, f"cannot connect ({name}: {exc})"
+        return TransientError, f"connection failed ({name}: {exc})"
+    if isinstance(exc, auth_exceptions.GoogleAuthError):
+        return AccessDenied, f"credentials failed ({name}: {exc})"
+    # The rest: a raw download reads the body through urllib3, whose errors arrive
+    # unwrapped (resets, read timeouts, bodies shorter than their Content-Length).
+    return TransientError, f"connection failed ({name}: {exc})"

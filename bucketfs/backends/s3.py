@@ -1,0 +1,239 @@
+"""s3:// backend on boto3.
+
+Credentials, region and endpoint come from the SDK's standard chain unless the settings
+name them. botocore's own retries are off: `bucketfs.backends.retry` is the only place
+that retries, so every attempt here is exactly one HTTP request.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any, NoReturn
+from urllib.parse import urlsplit, urlunsplit
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectTimeoutError,
+    CredentialRetrievalError,
+    HTTPClientError,
+    IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ProfileNotFound,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from bucketfs.backends.base import (
+    AccessDenied,
+    BackendError,
+    ListPage,
+    NoSuchBucket,
+    NotFound,
+    ObjectInfo,
+    TransientError,
+    Unreachable,
+    VersionChanged,
+)
+from bucketfs.backends.settings import BackendSettings
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "ExpiredToken",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "SignatureDoesNotMatch",
+        "TokenRefreshRequired",
+    }
+)
+_TRANSIENT_CODES = frozenset(
+    {
+        "BandwidthLimitExceeded",
+        "InternalError",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "ServiceUnavailable",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequestsException",
+    }
+)
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_CREDENTIAL_ERRORS = (
+    NoCredentialsError,
+    PartialCredentialsError,
+    CredentialRetrievalError,
+    ProfileNotFound,
+)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:400]
+
+
+def _public(url: str) -> str:
+    """The endpoint for messages, without any user:password@ a user may have put in it."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def _mtime_ns(dt: datetime) -> int:
+    # Integer arithmetic: a float timestamp loses nanoseconds.
+    return (dt - _EPOCH) // timedelta(microseconds=1) * 1000
+
+
+def _etag(value: str) -> str:
+    return value.strip('"')
+
+
+class S3Backend:
+    def __init__(self, bucket: str, settings: BackendSettings) -> None:
+        self.bucket = bucket
+        self.url = f"s3://{bucket}"
+        config = Config(
+            connect_timeout=settings.connect_timeout,
+            read_timeout=settings.read_timeout,
+            max_pool_connections=settings.max_connections,
+            retries={"mode": "standard", "total_max_attempts": 1},
+            s3={"addressing_style": settings.addressing_style},
+            # Ranged reads cannot be checked against whole-object checksums anyway.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        try:
+            session = boto3.session.Session(profile_name=settings.profile)
+            self._client = session.client(
+                "s3", endpoint_url=settings.endpoint_url, region_name=settings.region, config=config
+            )
+        except BotoCoreError as exc:
+            kind, reason = _classify(exc, BackendError)
+            raise kind(f"{self.url}: {_one_line(reason)}") from None
+        self.endpoint = _public(self._client.meta.endpoint_url)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def check_access(self) -> None:
+        try:
+            self._client.list_objects_v2(Bucket=self.bucket, MaxKeys=1)
+        except (ClientError, BotoCoreError) as exc:
+            self._raise(exc, None, NoSuchBucket)
+
+    def list_page(
+        self, prefix: str, delimiter: str | None, token: str | None, page_size: int
+    ) -> ListPage:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": page_size}
+        if delimiter is not None:
+            kwargs["Delimiter"] = delimiter
+        if token is not None:
+            kwargs["ContinuationToken"] = token
+        try:
+            resp = self._client.list_objects_v2(**kwargs)
+        except (ClientError, BotoCoreError) as exc:
+            self._raise(exc, prefix or None, NoSuchBucket)
+        return ListPage(
+            # A "dir/" marker object is the directory itself, not an entry in it.
+            objects=[
+                ObjectInfo(
+                    key=o["Key"],
+                    size=o["Size"],
+                    mtime_ns=_mtime_ns(o["LastModified"]),
+                    version=_etag(o["ETag"]),
+                )
+                for o in resp.get("Contents", ())
+                if o["Key"] != prefix
+            ],
+            prefixes=[p["Prefix"] for p in resp.get("CommonPrefixes", ())],
+            next_token=resp.get("NextContinuationToken") if resp.get("IsTruncated") else None,
+        )
+
+    def head(self, key: str) -> ObjectInfo:
+        try:
+            resp = self._client.head_object(Bucket=self.bucket, Key=key)
+        except (ClientError, BotoCoreError) as exc:
+            self._raise(exc, key, NotFound)
+        return ObjectInfo(
+            key=key,
+            size=resp["ContentLength"],
+            mtime_ns=_mtime_ns(resp["LastModified"]),
+            version=_etag(resp["ETag"]),
+        )
+
+    def get_range(self, key: str, version: str, start: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        try:
+            resp = self._client.get_object(
+                Bucket=self.bucket,
+                Key=key,
+                Range=f"bytes={start}-{start + length - 1}",
+                IfMatch=f'"{version}"',
+            )
+            body = resp["Body"]
+            try:
+                # StreamingBody checks Content-Length and raises on a short body.
+                data = body.read()
+            finally:
+                body.close()
+        except (ClientError, BotoCoreError) as exc:
+            # Deleted since the version was taken: that version is gone, like a 412.
+            self._raise(exc, key, VersionChanged)
+        if len(data) != length:
+            raise TransientError(
+                f"{self._where(key)}: short read, {len(data)} of {length} bytes "
+                f"at offset {start}"
+            )
+        return data
+
+    def _where(self, key: str | None) -> str:
+        return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
+
+    def _raise(
+        self, exc: ClientError | BotoCoreError, key: str | None, missing: type[BackendError]
+    ) -> NoReturn:
+        """Translate an SDK error; `missing` is what a 404 means for this call."""
+        kind, reason = _classify(exc, missing)
+        raise kind(f"{self._where(key)} via {self.endpoint}: {_one_line(reason)}") from None
+
+
+def _classify(
+    exc: ClientError | BotoCoreError, missing: type[BackendError]
+) -> tuple[type[BackendError], str]:
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = str(error.get("Code") or status)
+        # Only the code and message: other fields (StringToSign, AWSAccessKeyId) may
+        # echo credentials.
+        detail = f"{code}: {error.get('Message') or 'no message'} (HTTP {status})"
+        if code == "NoSuchBucket":
+            return NoSuchBucket, f"no such bucket ({detail})"
+        if code in _DENIED_CODES or status in (401, 403):
+            return AccessDenied, f"access denied ({detail})"
+        if code == "PreconditionFailed" or status == 412:
+            return VersionChanged, f"object changed ({detail})"
+        if code in ("NoSuchKey", "NotFound") or status == 404:
+            return missing, f"not found ({detail})"
+        if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS:
+            return TransientError, f"temporary failure ({detail})"
+        return BackendError, f"request failed ({detail})"
+    name = type(exc).__name__
+    if isinstance(exc, _CREDENTIAL_ERRORS):
+        return AccessDenied, f"no usable AWS credentials ({name}: {exc})"
+    if isinstance(exc, ConnectTimeoutError):
+        return TransientError, f"connect timed out ({name})"
+    if isinstance(exc, BotoConnectionError):
+        # Refused connection, DNS failure, TLS or proxy failure: nothing answered.
+        return Unreachable, f"cannot connect ({name}: {exc})"
+    if isinstance(exc, HTTPClientError | IncompleteReadError):
+        # Read timeout, reset or closed connection, a body cut short.
+        return TransientError, f"connection failed ({name}: {exc})"
+    return BackendError, f"request failed ({name}: {exc})"

@@ -1,0 +1,99 @@
+"""Mounting for real in tests: `bucketfs mount` as a user runs it, and helpers to
+compare what the mount shows with what the bucket holds."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from bucketfs.runtime import mounted as mount_entry
+
+
+def bucketfs(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
+             ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bucketfs", *args], capture_output=True, text=True,
+        env={**os.environ, **(env or {})}, timeout=timeout,
+    )
+
+
+def force_unmount(mountpoint: Path) -> None:
+    if mount_entry(str(mountpoint)) is not None:
+        subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
+
+
+@contextlib.contextmanager
+def mounted(url: str, mountpoint: Path, *args: str, env: dict[str, str] | None = None,
+            ) -> Iterator[Path]:
+    """Mount as a user would (daemonized), yield the mountpoint, always unmount."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    log_file = mountpoint.parent / f"{mountpoint.name}.log"
+    result = bucketfs("mount", url, str(mountpoint), "--log-file", str(log_file), *args, env=env)
+    assert result.returncode == 0, f"mount failed: {result.stderr}\n{read_log(log_file)}"
+    assert mount_entry(str(mountpoint.resolve())) is not None
+    try:
+        yield mountpoint
+    finally:
+        result = bucketfs("umount", str(mountpoint))
+        force_unmount(mountpoint)
+        assert result.returncode == 0, f"umount failed: {result.stderr}"
+
+
+def read_log(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def tree(root: Path) -> dict[str, str]:
+    """relative path -> "dir" or the file's sha256, walking with plain os calls."""
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, name), root)] = "dir"
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            out[os.path.relpath(path, root)] = sha256_file(path)
+    return out
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1024 * 1024):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def expected_tree(objects: dict[str, bytes], prefix: str = "") -> dict[str, str]:
+    """What a mount of `prefix` must show for these keys, per the rules in namespace.py:
+    markers and prefixes are directories, a directory hides a same-named object, and
+    keys with empty, '.', '..' or over-long segments are left out."""
+    out: dict[str, str] = {}
+    for key, data in objects.items():
+        if not key.startswith(prefix):
+            continue
+        parts = key[len(prefix):].split("/")
+        is_marker = parts[-1] == "" and len(parts) > 1
+        if is_marker:
+            parts = parts[:-1]
+        bad = [i for i, p in enumerate(parts) if p in ("", ".", "..") or len(p.encode()) > 255]
+        if bad:
+            # The directories above the first bad segment still exist.
+            for depth in range(1, bad[0] + 1):
+                out["/".join(parts[:depth])] = "dir"
+            continue
+        for depth in range(1, len(parts)):
+            out["/".join(parts[:depth])] = "dir"
+        path = "/".join(parts)
+        if is_marker:
+            out[path] = "dir"
+        elif out.get(path) != "dir":
+            out[path] = hashlib.sha256(data).hexdigest()
+    return out

@@ -1,0 +1,119 @@
+"""How keys become a tree: lazy listing, pagination, edge-case keys, TTL."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from bucketfs.backends.retry import RetryPolicy
+from bucketfs.backends.store import ObjectStore
+from bucketfs.namespace import Namespace
+from tests.membackend import MemoryBackend
+
+EDGE_KEYS = {
+    "data/a": b"file a",              # hidden: the prefix data/a/ exists too
+    "data/a/inner": b"inner",
+    "data/marker/": b"",              # a directory marker object
+    "data/marker/x": b"x",
+    "data/empty-marker/": b"",        # a marker with nothing under it
+    "data/with space.txt": b"s",
+    "data/ünïcødé.txt": b"u",
+    "data/100%+plus.txt": b"p",
+    "data/zero": b"",
+    "data/dbl//slash": b"skipped",    # an empty path segment
+    "data/./dot": b"skipped",
+    "data/../dotdot": b"skipped",
+    "data/" + "L" * 256: b"skipped",  # longer than NAME_MAX
+    "data/" + "é" * 127: b"kept",     # 254 bytes of UTF-8
+    "other/outside": b"not under the prefix",
+}
+
+
+def make(objects, prefix="data/", page_size=1000, ttl=float("inf"), clock=None):
+    backend = MemoryBackend(objects)
+    store = ObjectStore(backend, max_workers=2, retry=RetryPolicy(1), page_size=page_size)
+    kwargs = {"clock": clock} if clock else {}
+    return backend, Namespace(store, prefix, metadata_ttl=ttl, **kwargs)
+
+
+def names(nodes):
+    return {(n.name, n.is_dir) for n in nodes}
+
+
+def test_edge_case_keys(caplog):
+    _, ns = make(EDGE_KEYS)
+
+    async def main():
+        with caplog.at_level(logging.WARNING):
+            root = await ns.children(1)
+        assert names(root) == {
+            ("a", True), ("marker", True), ("empty-marker", True), ("with space.txt", False),
+            ("ünïcødé.txt", False), ("100%+plus.txt", False), ("zero", False),
+            ("dbl", True), ("é" * 127, False),
+        }
+        a = await ns.lookup(1, "a")
+        assert names(await ns.children(a.inode)) == {("inner", False)}
+        marker = await ns.lookup(1, "marker")
+        assert names(await ns.children(marker.inode)) == {("x", False)}
+        assert await ns.children((await ns.lookup(1, "empty-marker")).inode) == []
+        dbl = await ns.lookup(1, "dbl")
+        assert await ns.children(dbl.inode) == []  # "dbl//slash" has an empty segment
+        zero = await ns.lookup(1, "zero")
+        assert (zero.size, zero.is_dir) == (0, False)
+        assert await ns.lookup(1, "missing") is None
+        assert await ns.lookup(zero.inode, "below-a-file") is None
+
+    trio.run(main)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("hidden by the directory" in w for w in warnings)
+    assert any("longer than 255 bytes" in w for w in warnings)
+    assert sum("'.'" in w for w in warnings) == 1
+    assert sum("'..'" in w for w in warnings) == 1
+
+
+def test_listing_is_paginated_lazy_and_single_flight():
+    objects = {f"d/{i:04d}": b"x" for i in range(25)} | {"d/sub/1": b"y", "e/2": b"z"}
+    backend, ns = make(objects, prefix="", page_size=10)
+
+    async def main():
+        d = await ns.lookup(1, "d")
+        calls_after_root = backend.calls["list"]
+        assert calls_after_root == 1  # the root fits one page: "d/" and "e/"
+        async with trio.open_nursery() as nursery:
+            for i in range(20):
+                nursery.start_soon(ns.lookup, d.inode, f"{i:04d}")
+        # 26 entries at 10 a page: 3 pages, listed once for all 20 concurrent lookups.
+        assert backend.calls["list"] == calls_after_root + 3
+        assert len(await ns.children(d.inode)) == 26
+        assert backend.calls["list"] == calls_after_root + 3
+
+    trio.run(main)
+
+
+def test_ttl_relists_and_keeps_inodes():
+    now = [0.0]
+    backend, ns = make({"p/a": b"1"}, prefix="p/", ttl=10, clock=lambda: now[0])
+
+    async def main():
+        a = await ns.lookup(1, "a")
+        backend.objects["p/b"] = b"2"
+        backend.objects["p/a"] = b"changed"
+        assert await ns.lookup(1, "b") is None  # still within the TTL
+        now[0] = 11
+        b = await ns.lookup(1, "b")
+        assert b is not None
+        a2 = await ns.lookup(1, "a")
+        assert a2.inode == a.inode and a2.size == len(b"changed")
+
+    trio.run(main)
+    assert backend.calls["list"] == 2
+
+
+def test_prefix_with_no_objects_is_an_empty_root():
+    _, ns = make({"x/1": b"1"}, prefix="nothing/")
+
+    async def main():
+        assert await ns.children(1) == []
+
+    trio.run(main)
