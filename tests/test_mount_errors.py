@@ -1,0 +1,145 @@
+"""Mount-time errors: exit non-zero with one line saying what is wrong, leave no mount;
+and clean unmounts from `bucketfs umount` and from signals in the foreground."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bucketfs.runtime import mounted as mount_entry
+from bucketfs.runtime import state_dir
+from tests.mounting import bucketfs, force_unmount, mounted
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    root = tmp_path / "bucket"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "f.txt").write_text("hello\n")
+    return root
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("bucketfs: error: ")
+    assert needle in lines[0], lines[0]
+
+
+def test_mountpoint_missing(source, tmp_path):
+    result = bucketfs("mount", f"file://{source}", str(tmp_path / "absent"))
+    assert_one_line_error(result, "does not exist")
+
+
+def test_mountpoint_is_a_file(source, tmp_path):
+    (tmp_path / "file").write_text("x")
+    assert_one_line_error(bucketfs("mount", f"file://{source}", str(tmp_path / "file")),
+                          "is not a directory")
+
+
+def test_mountpoint_not_empty(source, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    (mnt / "something").write_text("x")
+    assert_one_line_error(bucketfs("mount", f"file://{source}", str(mnt)), "is not empty")
+    assert mount_entry(str(mnt)) is None
+
+
+def test_mountpoint_already_mounted(source, tmp_path):
+    with mounted(f"file://{source}", tmp_path / "mnt") as mnt:
+        result = bucketfs("mount", f"file://{source}", str(mnt))
+        assert_one_line_error(result, "already mounted")
+        assert (mnt / "d" / "f.txt").read_text() == "hello\n"  # the first mount still serves
+
+
+def test_no_such_local_bucket(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    assert_one_line_error(bucketfs("mount", f"file://{tmp_path}/absent", str(mnt)),
+                          "no such directory")
+    assert mount_entry(str(mnt)) is None
+
+
+def test_bad_config_and_url(source, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    conf = tmp_path / "bad.conf"
+    conf.write_text("[read]\npart_sise = 1\n")
+    assert_one_line_error(bucketfs("mount", f"file://{source}", str(mnt), "--config", str(conf)),
+                          "unknown key read.part_sise")
+    assert_one_line_error(bucketfs("mount", f"file://{source}", str(mnt), "--part-size", "x"),
+                          "bad value for read.part_size")
+    assert_one_line_error(bucketfs("mount", "ftp://host/x", str(mnt)), "unsupported URL")
+    assert mount_entry(str(mnt)) is None
+
+
+def test_no_fuse_device(source, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    # A private mount namespace whose /dev has no fuse node.
+    script = (f"mount -t tmpfs tmpfs /dev && exec {sys.executable} -m bucketfs mount "
+              f"file://{source} {mnt} --foreground")
+    result = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                            capture_output=True, text=True, timeout=60)
+    assert_one_line_error(result, "cannot open /dev/fuse")
+
+
+def test_stale_mount_is_reported_and_umount_clears_it(source, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    assert bucketfs("mount", f"file://{source}", str(mnt)).returncode == 0
+    try:
+        pid = int((state_dir(str(mnt)) / "pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert_one_line_error(bucketfs("mount", f"file://{source}", str(mnt)), "stale mount")
+        result = bucketfs("umount", str(mnt))
+        assert result.returncode == 0, result.stderr
+        assert mount_entry(str(mnt)) is None
+    finally:
+        force_unmount(mnt)
+
+
+def test_umount_of_something_else(tmp_path):
+    assert_one_line_error(bucketfs("umount", str(tmp_path)), "is not mounted")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_in_foreground_unmounts_cleanly(source, tmp_path, signum):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bucketfs", "mount", f"file://{source}", str(mnt), "--foreground"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while mount_entry(str(mnt)) is None:
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            assert time.monotonic() < deadline, "mount did not become ready"
+            time.sleep(0.05)
+        assert (mnt / "d" / "f.txt").read_text() == "hello\n"
+        process.send_signal(signum)
+        assert process.wait(timeout=30) == 0
+        assert mount_entry(str(mnt)) is None
+        assert not (state_dir(str(mnt)) / "pid").exists()
+    finally:
+        process.kill()
+        force_unmount(mnt)
+
+
+def test_version_and_help():
+    result = bucketfs("--version")
+    assert result.returncode == 0 and result.stdout.startswith("bucketfs ")
+    for command in ([], ["mount"], ["umount"]):
+        result = bucketfs(*command, "--help")
+        assert result.returncode == 0 and "usage: bucketfs" in result.stdout
