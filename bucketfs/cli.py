@@ -107,9 +107,10 @@ def _mount_foreground(args: argparse.Namespace, url: object, config: object) -> 
 
     setup_logging(config.log_level, config.log_file)  # type: ignore[attr-defined]
 
-    def ready() -> None:
+    def ready(warnings: list[str]) -> None:
         if args.ready_fd is not None:
-            os.write(args.ready_fd, b"ready\n")
+            lines = [f"warning: {w}" for w in warnings] + ["ready"]
+            os.write(args.ready_fd, "".join(f"{line}\n" for line in lines).encode())
             os.close(args.ready_fd)
             args.ready_fd = None
 
@@ -134,6 +135,9 @@ def _spawn_daemon(args: argparse.Namespace, config: object) -> int:
     os.close(write_end)
     with os.fdopen(read_end) as pipe:
         status = pipe.readline().strip()
+        while status.startswith("warning: "):
+            print(f"{PROG}: {status}", file=sys.stderr)
+            status = pipe.readline().strip()
     if status == "ready":
         return 0
     if not status:

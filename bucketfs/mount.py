@@ -114,7 +114,9 @@ def _kernel_ttl(config: Config) -> float:
     return ttl if math.isfinite(ttl) else 365 * 24 * 3600.0
 
 
-async def _serve(info: MountInfo, backend: Backend, ready: Callable[[], None]) -> None:
+async def _serve(
+    info: MountInfo, backend: Backend, ready: Callable[[list[str]], None]
+) -> None:
     config = info.config
     retry = RetryPolicy(config.retry_attempts, config.retry_base_delay, config.retry_max_delay)
     store = ObjectStore(backend, max_workers=config.max_connections, retry=retry,
@@ -125,6 +127,12 @@ async def _serve(info: MountInfo, backend: Backend, ready: Callable[[], None]) -
         raise MountError(str(exc)) from None
 
     namespace = Namespace(store, info.url.prefix, metadata_ttl=config.metadata_ttl)
+    warnings = []
+    try:
+        if not await namespace.children(namespace.root.inode):
+            warnings.append(f"{info.url} names no objects: the mount is empty")
+    except BackendError as exc:
+        raise MountError(str(exc)) from None
     async with trio.open_nursery() as nursery:
         reader = Reader(
             store, ByteBudget(config.readahead_budget),
@@ -149,7 +157,9 @@ async def _serve(info: MountInfo, backend: Backend, ready: Callable[[], None]) -
         try:
             _write_state(info.mountpoint)
             log.info("mounted %s on %s", info.url, info.mountpoint)
-            ready()
+            for warning in warnings:
+                log.warning(warning)
+            ready(warnings)
             nursery.start_soon(_stop_on_signal)
             # Returns when the kernel ends the session (fusermount -u) or a signal calls
             # terminate(); unmounting an already unmounted path is harmless, and a crash
@@ -180,8 +190,9 @@ def _clear_state(mountpoint: str) -> None:
     Path(state_dir(mountpoint), "pid").unlink(missing_ok=True)
 
 
-def run_mount(info: MountInfo, ready: Callable[[], None]) -> None:
-    """Mount and serve until unmounted. Raises MountError for anything the user must fix."""
+def run_mount(info: MountInfo, ready: Callable[[list[str]], None]) -> None:
+    """Mount and serve until unmounted. Raises MountError for anything the user must fix.
+    `ready` is called once the mount serves, with warnings for the user."""
     info.mountpoint = check_mountpoint(info.mountpoint)
     check_fuse_device()
     try:

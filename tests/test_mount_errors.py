@@ -143,3 +143,16 @@ def test_version_and_help():
     for command in ([], ["mount"], ["umount"]):
         result = bucketfs(*command, "--help")
         assert result.returncode == 0 and "usage: bucketfs" in result.stdout
+
+
+def test_empty_bucket_mounts_with_a_warning(tmp_path):
+    (tmp_path / "empty").mkdir()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    result = bucketfs("mount", f"file://{tmp_path}/empty", str(mnt))
+    try:
+        assert result.returncode == 0, result.stderr
+        assert "bucketfs: warning: " in result.stderr and "names no objects" in result.stderr
+        assert os.listdir(mnt) == []
+    finally:
+        assert bucketfs("umount", str(mnt)).returncode == 0
