@@ -94,6 +94,11 @@ class GcsBackend:
         session.mount("https://", adapter)
         session.mount("http://", adapter)
         self._client = storage.Client(project=project, credentials=credentials, _http=session)
+        # Recent google-cloud-storage fetches bucket metadata for tracing from background
+        # threads, and re-checks the bucket after any 404: requests nobody asked for, outside
+        # the retry policy and the worker limit. Every use of the cache is guarded by a
+        # truth test of this attribute.
+        self._client._bucket_metadata_cache = None
         self._bucket = self._client.bucket(bucket)
         self.endpoint = _public(self._client.api_endpoint)
 
@@ -185,9 +190,13 @@ def _classify(exc: Exception, missing: type[BackendError]) -> tuple[type[Backend
     name = type(exc).__name__
     if isinstance(exc, api_exceptions.GoogleAPICallError):
         status = exc.code or 0
-        detail = f"HTTP {status}: {exc.message}"
+        # The SDK's message repeats the whole request URL; the status and reason suffice.
+        reason = exc.errors[0].get("reason") if exc.errors else None
+        detail = f"HTTP {status}" + (f": {reason}" if reason else "")
         if isinstance(exc, api_exceptions.NotFound):
-            return missing, f"not found ({detail})"
+            what = {NoSuchBucket: "no such bucket", NotFound: "no such object"}.get(
+                missing, "object version is gone")
+            return missing, f"{what} ({detail})"
         if isinstance(exc, api_exceptions.Forbidden | api_exceptions.Unauthorized):
             return AccessDenied, f"access denied ({detail})"
         if isinstance(exc, api_exceptions.PreconditionFailed):
@@ -195,10 +204,11 @@ def _classify(exc: Exception, missing: type[BackendError]) -> tuple[type[Backend
         if status in _TRANSIENT_STATUS:
             return TransientError, f"temporary failure ({detail})"
         return BackendError, f"request failed ({detail})"
-    if isinstance(exc, auth_exceptions.RefreshError):
-        return AccessDenied, f"cannot obtain an access token ({name}: {exc})"
     if isinstance(exc, auth_exceptions.TransportError):
         return TransientError, f"cannot reach the token service ({name}: {exc})"
+    if isinstance(exc, auth_exceptions.GoogleAuthError):
+        # RefreshError and the like: the credentials themselves are refused.
+        return AccessDenied, f"credentials failed ({name}: {exc})"
     if isinstance(exc, requests.Timeout):
         return TransientError, f"timed out ({name})"
     if isinstance(exc, requests.ConnectionError):
@@ -207,8 +217,6 @@ def _classify(exc: Exception, missing: type[BackendError]) -> tuple[type[Backend
         if isinstance(getattr(cause, "reason", None), urllib3.exceptions.NewConnectionError):
             return Unreachable, f"cannot connect ({name}: {exc})"
         return TransientError, f"connection failed ({name}: {exc})"
-    if isinstance(exc, auth_exceptions.GoogleAuthError):
-        return AccessDenied, f"credentials failed ({name}: {exc})"
     # The rest: a raw download reads the body through urllib3, whose errors arrive
     # unwrapped (resets, read timeouts, bodies shorter than their Content-Length).
     return TransientError, f"connection failed ({name}: {exc})"

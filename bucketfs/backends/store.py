@@ -64,6 +64,7 @@ class ObjectStore:
     async def list_dir(self, prefix: str) -> DirListing:
         """Every object and common prefix directly under `prefix`, all pages."""
         out = DirListing()
+        seen: set[str] = set()
         token: str | None = None
         while True:
             page = await self._run(
@@ -73,7 +74,9 @@ class ObjectStore:
             )
             out.pages += 1
             out.objects.extend(page.objects)
-            out.prefixes.extend(page.prefixes)
+            # A common prefix can come back on several pages (some servers repeat it).
+            out.prefixes.extend(p for p in page.prefixes if p not in seen)
+            seen.update(page.prefixes)
             token = page.next_token
             if token is None:
                 return out
