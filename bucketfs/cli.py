@@ -185,10 +185,14 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def _alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie (nobody reaped it yet) has finished."""
+    """True while our daemon `pid` runs. A zombie (nobody reaped it yet) has finished,
+    and a pid file left by a killed daemon may name an unrelated process by now."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
+            if f.read().rpartition(")")[2].split()[0] == "Z":
+                return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"bucketfs" in f.read()
     except (OSError, IndexError):
         return False
 

@@ -47,22 +47,27 @@ class MountError(Exception):
 def check_mountpoint(path: str) -> str:
     """Return the real path of a usable mountpoint, or raise MountError saying why not."""
     try:
-        st = os.stat(path)
+        os.stat(path)
     except FileNotFoundError:
         raise MountError(f"mountpoint {path} does not exist") from None
     except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise MountError(f"mountpoint {path} is a stale mount whose daemon is gone; "
-                             f"run: bucketfs umount {path}") from None
-        raise MountError(f"mountpoint {path}: {exc.strerror}") from None
-    if not os.path.isdir(path):
-        raise MountError(f"mountpoint {path} is not a directory")
+        if exc.errno != errno.ENOTCONN:
+            raise MountError(f"mountpoint {path}: {exc.strerror}") from None
     real = os.path.realpath(path)
     entry = mounted(real)
     if entry is not None:
+        # stat() can be answered from the kernel's cache; statvfs always reaches the
+        # daemon, and fails with ENOTCONN when it is gone.
+        try:
+            os.statvfs(real)
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:
+                raise MountError(f"mountpoint {path} is a stale mount whose daemon is gone; "
+                                 f"run: bucketfs umount {path}") from None
         raise MountError(f"mountpoint {path} is already mounted ({entry.fstype} from "
                          f"{entry.source})")
-    del st
+    if not os.path.isdir(real):
+        raise MountError(f"mountpoint {path} is not a directory")
     try:
         if os.listdir(real):
             raise MountError(f"mountpoint {path} is not empty")

@@ -97,6 +97,7 @@ def test_stale_mount_is_reported_and_umount_clears_it(source, tmp_path):
     assert bucketfs("mount", f"file://{source}", str(mnt)).returncode == 0
     try:
         pid = int((state_dir(str(mnt)) / "pid").read_text())
+        assert (mnt / "d" / "f.txt").read_text() == "hello\n"  # the kernel caches attributes
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
