@@ -175,6 +175,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("read", "small_file_size", parse_size, 4 * 1024**2,
            "objects up to this size are fetched whole by one GET on first read",
            '"4MiB"'),
+    Option("read", "kernel_readahead", parse_size, 4 * 1024**2,
+           "the kernel's own read-ahead for this mount (its bdi read_ahead_kb); larger "
+           "means fewer, larger FUSE reads of big files. Set when mounting as root",
+           '"4MiB"'),
     Option("origin", "max_connections", _positive_int, 16,
            "parallel requests to the bucket (worker threads and pooled connections)", "16"),
     Option("origin", "connect_timeout", _positive_float, 10.0,

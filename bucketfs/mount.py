@@ -166,6 +166,7 @@ async def _serve(
                 log.warning(warning)
             ready(warnings)
             nursery.start_soon(_stop_on_signal)
+            nursery.start_soon(_set_kernel_readahead, info.mountpoint, config.kernel_readahead)
             # Returns when the kernel ends the session (fusermount -u) or a signal calls
             # terminate(); unmounting an already unmounted path is harmless, and a crash
             # must not leave a stale mount behind.
@@ -183,6 +184,23 @@ async def _stop_on_signal() -> None:
             log.info("received %s; unmounting", signal.Signals(signum).name)
             pyfuse3.terminate()
             return
+
+
+async def _set_kernel_readahead(mountpoint: str, size: int) -> None:
+    """The kernel reads ahead 128 KiB by default, so a big file arrives in many small FUSE
+    requests, each a trip into Python. Only root may raise it; others keep the default."""
+    # The kernel sets the value when the FUSE INIT handshake completes, so change it only
+    # after a request has gone through (in a thread: this loop must serve the request).
+    await trio.to_thread.run_sync(os.statvfs, mountpoint)
+    entry = mounted(mountpoint)
+    if entry is None:
+        return
+    path = f"/sys/class/bdi/{entry.device}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(max(4, size // 1024)))
+    except OSError as exc:
+        log.debug("kernel read-ahead left at its default (%s: %s)", path, exc.strerror)
 
 
 def _write_state(mountpoint: str) -> None:

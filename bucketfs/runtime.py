@@ -39,6 +39,8 @@ class MountEntry:
     mountpoint: str
     fstype: str
     source: str
+    #: "MAJOR:MINOR" of the mounted filesystem's st_dev (also its /sys/class/bdi name).
+    device: str
 
 
 def _unescape(field: str) -> str:
@@ -58,5 +60,5 @@ def mounted(mountpoint: str) -> MountEntry | None:
             fields = left.split()
             rest = right.split()
             if len(fields) >= 5 and len(rest) >= 2 and _unescape(fields[4]) == mountpoint:
-                found = MountEntry(mountpoint, rest[0], _unescape(rest[1]))
+                found = MountEntry(mountpoint, rest[0], _unescape(rest[1]), fields[2])
     return found

@@ -151,3 +151,14 @@ def test_multi_gigabyte_object_streams_in_bounded_memory(tmp_path):
                 digest.update(chunk)
         assert digest.hexdigest() == expected
         assert _peak_rss_kib(pid) < 400 * 1024
+
+
+def test_kernel_readahead_is_raised_for_the_mount(source, tmp_path):
+    from bucketfs.runtime import mounted as mount_entry
+
+    with mounted(f"file://{source}", tmp_path / "mnt", "--kernel-readahead", "2MiB") as mnt:
+        os.statvfs(mnt)
+        device = mount_entry(str(mnt.resolve())).device
+        value = int(Path(f"/sys/class/bdi/{device}/read_ahead_kb").read_text())
+        # Only root may change it; anyone else keeps the kernel's 128 KiB.
+        assert value == (2048 if os.geteuid() == 0 else 128)
