@@ -1,7 +1,7 @@
 """Mount configuration: one table of options feeds the TOML loader, the command line
 and mount.conf.example, so the three cannot drift apart.
 
-A key is written `section.name` in TOML (`[read]` then `part_size = "8MiB"`) and
+A key is written `section.name` in TOML (`[cache]` then `block_size = "4MiB"`) and
 `--name-with-dashes` on the command line; flags override the file.
 """
 
@@ -165,16 +165,26 @@ OPTIONS: tuple[Option, ...] = (
            "GCS project (default: from application default credentials)", None),
     Option("gcs", "anonymous", _bool, False,
            "read a public bucket without credentials", "false"),
-    Option("read", "part_size", parse_size, 8 * 1024**2,
-           "size of each ranged GET issued by sequential read-ahead", '"8MiB"'),
     Option("read", "readahead_max", parse_size, 64 * 1024**2,
            "most bytes read ahead for one open file; the window doubles while reads "
            "stay sequential", '"64MiB"'),
     Option("read", "readahead_budget", parse_size, 512 * 1024**2,
            "most bytes held for read-ahead across all open files together", '"512MiB"'),
-    Option("read", "small_file_size", parse_size, 4 * 1024**2,
-           "objects up to this size are fetched whole by one GET on first read",
-           '"4MiB"'),
+    Option("cache", "cache_dir", _optional_str, None,
+           "directory of the SSD tier and its index; without it the cache is RAM only",
+           None),
+    Option("cache", "ram_cache", parse_size, 2 * 1024**3,
+           "bytes of blocks kept in RAM", '"2GiB"'),
+    Option("cache", "disk_cache", parse_size, 16 * 1024**3,
+           "bytes of blocks kept in cache_dir", '"16GiB"'),
+    Option("cache", "disk_free_floor", parse_size, 1024**3,
+           "free space the SSD tier always leaves on its device", '"1GiB"'),
+    Option("cache", "block_size", parse_size, 4 * 1024**2,
+           "cache granularity and GET size: objects up to this size are cached whole "
+           "(one GET), larger ones in blocks of this size", '"4MiB"'),
+    Option("cache", "eviction", _choice("cost-lrfu", "lrfu", "lru", "lfu"), "cost-lrfu",
+           "eviction policy of both tiers: cost-aware LRFU (DLCache), LRFU, LRU or LFU",
+           '"cost-lrfu"'),
     Option("read", "kernel_readahead", parse_size, 4 * 1024**2,
            "the kernel's own read-ahead for this mount (its bdi read_ahead_kb); larger "
            "means fewer, larger FUSE reads of big files. Set when mounting as root",
@@ -202,7 +212,7 @@ assert len(OPTIONS_BY_NAME) == len(OPTIONS), "option names must be unique across
 
 
 class Config:
-    """Validated option values, read as attributes by option name (`config.part_size`)."""
+    """Validated option values, read as attributes by option name (`config.block_size`)."""
 
     def __init__(self, values: dict[str, Any]) -> None:
         self._values = {option.name: option.default for option in OPTIONS}
@@ -253,8 +263,8 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
     config = Config(values)
     if config.readahead_max > config.readahead_budget:
         raise ConfigError("read.readahead_max must not exceed read.readahead_budget")
-    if config.part_size > config.readahead_max:
-        raise ConfigError("read.part_size must not exceed read.readahead_max")
+    if config.block_size == 0:
+        raise ConfigError("cache.block_size must be positive")
     return config
 
 
@@ -263,17 +273,16 @@ def render_example() -> str:
     lines = [
         "# bucketfs mount configuration (TOML). Every option with its default.",
         "# Use: bucketfs mount URL MOUNTPOINT --config FILE; command-line flags override",
-        "# the file (each option's flag is its name with dashes: part_size -> --part-size).",
+        "# the file (each option's flag is its name with dashes: block_size -> --block-size).",
         "# Sizes accept B, KB, MB, GB, KiB, MiB, GiB; durations are seconds or \"forever\".",
     ]
-    section = None
-    for option in OPTIONS:
-        if option.section != section:
-            section = option.section
-            lines += ["", f"[{section}]"]
-        lines += [f"# {line}" for line in textwrap.wrap(option.help, 86)]
-        if option.example is None:
-            lines.append(f"# {option.name} =")
-        else:
-            lines.append(f"{option.name} = {option.example}")
+    sections = list(dict.fromkeys(option.section for option in OPTIONS))
+    for section in sections:
+        lines += ["", f"[{section}]"]
+        for option in (o for o in OPTIONS if o.section == section):
+            lines += [f"# {line}" for line in textwrap.wrap(option.help, 86)]
+            if option.example is None:
+                lines.append(f"# {option.name} =")
+            else:
+                lines.append(f"{option.name} = {option.example}")
     return "\n".join(lines) + "\n"

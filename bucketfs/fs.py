@@ -160,7 +160,7 @@ class Operations(pyfuse3.Operations):
         """The bucket holds a new version: this handle fails, later opens see the new one."""
         log.warning("object %r changed in the bucket while open; reads of the old version "
                     "fail, new opens get the new version", node.key)
-        if node.version != handle.version:
+        if node.version != handle.obj.version:
             return  # another handle already refreshed it
         try:
             self.namespace.update_file(node, await self.namespace.store.head(node.key))

@@ -27,9 +27,13 @@ from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.store import ObjectStore
 from bucketfs.backends.urls import BucketUrl
+from bucketfs.cache.disk import CacheDirError, DiskTier
+from bucketfs.cache.ram import RamTier
+from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config
 from bucketfs.fs import Operations
 from bucketfs.namespace import Namespace
+from bucketfs.prefetch.eviction import make_policy
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
 from bucketfs.runtime import FSTYPE, mounted, state_dir
 
@@ -138,44 +142,64 @@ async def _serve(
             warnings.append(f"{info.url} names no objects: the mount is empty")
     except BackendError as exc:
         raise MountError(str(exc)) from None
-    async with trio.open_nursery() as nursery:
-        reader = Reader(
-            store, ByteBudget(config.readahead_budget),
-            ReadSettings(
-                part_size=config.part_size,
-                readahead_initial=min(1024**2, config.readahead_max),
-                readahead_max=config.readahead_max,
-                small_file_size=config.small_file_size,
-            ),
-            nursery,
-        )
-        operations = Operations(
-            namespace, reader,
-            uid=os.getuid() if config.uid is None else config.uid,
-            gid=os.getgid() if config.gid is None else config.gid,
-            kernel_ttl=_kernel_ttl(config),
-        )
-        try:
-            pyfuse3.init(operations, info.mountpoint, fuse_options(info.url, config))
-        except RuntimeError as exc:
-            raise MountError(f"cannot mount on {info.mountpoint}: {exc}") from None
-        try:
-            _write_state(info.mountpoint)
-            log.info("mounted %s on %s", info.url, info.mountpoint)
-            for warning in warnings:
-                log.warning(warning)
-            ready(warnings)
-            nursery.start_soon(_stop_on_signal)
-            nursery.start_soon(_set_kernel_readahead, info.mountpoint, config.kernel_readahead)
-            # Returns when the kernel ends the session (fusermount -u) or a signal calls
-            # terminate(); unmounting an already unmounted path is harmless, and a crash
-            # must not leave a stale mount behind.
-            await pyfuse3.main(max_tasks=max(16, 2 * config.max_connections))
-        finally:
-            pyfuse3.close(unmount=True)
-            _clear_state(info.mountpoint)
+    disk = open_disk_tier(info, config)
+    try:
+        async with trio.open_nursery() as nursery:
+            cache = BlockCache(
+                store, RamTier(config.ram_cache, make_policy(config.eviction)),
+                disk, block_size=config.block_size, nursery=nursery,
+            )
+            reader = Reader(
+                cache, ByteBudget(config.readahead_budget),
+                ReadSettings(readahead_initial=min(1024**2, config.readahead_max),
+                             readahead_max=config.readahead_max),
+                nursery,
+            )
+            operations = Operations(
+                namespace, reader,
+                uid=os.getuid() if config.uid is None else config.uid,
+                gid=os.getgid() if config.gid is None else config.gid,
+                kernel_ttl=_kernel_ttl(config),
+            )
+            try:
+                pyfuse3.init(operations, info.mountpoint, fuse_options(info.url, config))
+            except RuntimeError as exc:
+                raise MountError(f"cannot mount on {info.mountpoint}: {exc}") from None
+            try:
+                _write_state(info.mountpoint)
+                log.info("mounted %s on %s", info.url, info.mountpoint)
+                for warning in warnings:
+                    log.warning(warning)
+                ready(warnings)
+                nursery.start_soon(_stop_on_signal)
+                nursery.start_soon(_set_kernel_readahead, info.mountpoint,
+                                   config.kernel_readahead)
+                # Returns when the kernel ends the session (fusermount -u) or a signal
+                # calls terminate(); unmounting an already unmounted path is harmless, and
+                # a crash must not leave a stale mount behind.
+                await pyfuse3.main(max_tasks=max(16, 2 * config.max_connections))
+            finally:
+                pyfuse3.close(unmount=True)
+                _clear_state(info.mountpoint)
+            log.info("unmounted %s", info.mountpoint)
+            # A clean exit keeps what only RAM held, so the next mount finds it on SSD.
+            await cache.flush()
             nursery.cancel_scope.cancel()
-        log.info("unmounted %s", info.mountpoint)
+    finally:
+        if disk is not None:
+            disk.close()
+
+
+def open_disk_tier(info: MountInfo, config: Config) -> DiskTier | None:
+    if config.cache_dir is None:
+        return None
+    try:
+        return DiskTier(
+            config.cache_dir, config.disk_cache, make_policy(config.eviction),
+            namespace=str(info.url), free_floor=config.disk_free_floor,
+        )
+    except CacheDirError as exc:
+        raise MountError(str(exc)) from None
 
 
 async def _stop_on_signal() -> None:

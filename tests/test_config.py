@@ -23,15 +23,15 @@ def test_example_file_documents_every_option_and_loads():
     text = (ROOT / "mount.conf.example").read_text()
     assert text == render_example(), "regenerate mount.conf.example from bucketfs.config"
     config = load_config(ROOT / "mount.conf.example", {})
-    assert config.part_size == 8 * 1024**2
+    assert config.block_size == 4 * 1024**2
     assert config.metadata_ttl == math.inf
 
 
 def test_file_values_and_flag_overrides(tmp_path):
-    path = write(tmp_path, '[read]\npart_size = "2MiB"\nreadahead_max = "16MiB"\n'
+    path = write(tmp_path, '[cache]\nblock_size = "2MiB"\n[read]\nreadahead_max = "16MiB"\n'
                            '[mount]\nmetadata_ttl = 60\n[s3]\naddressing_style = "path"\n')
-    config = load_config(path, {"part_size": "4MiB"})
-    assert config.part_size == 4 * 1024**2  # the flag wins
+    config = load_config(path, {"block_size": "4MiB"})
+    assert config.block_size == 4 * 1024**2  # the flag wins
     assert config.readahead_max == 16 * 1024**2
     assert config.metadata_ttl == 60
     assert config.addressing_style == "path"
@@ -42,9 +42,10 @@ def test_file_values_and_flag_overrides(tmp_path):
     ("text", "needle"),
     [
         ("[read]\nbogus = 1\n", "unknown key read.bogus"),
-        ("[nosuch]\npart_size = 1\n", "unknown key nosuch.part_size"),
-        ("part_size = 1\n", "unknown key 'part_size'"),
-        ('[read]\npart_size = "lots"\n', "bad value for read.part_size"),
+        ("[nosuch]\nblock_size = 1\n", "unknown key nosuch.block_size"),
+        ("block_size = 1\n", "unknown key 'block_size'"),
+        ('[cache]\nblock_size = "lots"\n', "bad value for cache.block_size"),
+        ('[cache]\neviction = "random"\n', "bad value for cache.eviction"),
         ('[s3]\naddressing_style = "sideways"\n', "bad value for s3.addressing_style"),
         ("[origin]\nmax_connections = 0\n", "bad value for origin.max_connections"),
         ("[mount]\nallow_other = 3\n", "bad value for mount.allow_other"),
@@ -59,8 +60,8 @@ def test_bad_files_name_the_key(tmp_path, text, needle):
 
 
 def test_bad_flag_names_the_flag(tmp_path):
-    with pytest.raises(ConfigError, match=r"option --part-size: bad value for read\.part_size"):
-        load_config(None, {"part_size": "-3"})
+    with pytest.raises(ConfigError, match=r"option --block-size: bad value for cache\.block_size"):
+        load_config(None, {"block_size": "-3"})
 
 
 def test_missing_file(tmp_path):

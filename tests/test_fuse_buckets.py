@@ -136,8 +136,8 @@ def test_changed_object_is_never_served_mixed(remote, tmp_path, request):
     key = "changing/file.bin"
     old, new = random.Random(1).randbytes(3 * MiB), random.Random(2).randbytes(3 * MiB)
     server.put(bucket, key, old)
-    with mounted(f"{url}/changing", tmp_path / "mnt", *args, "--small-file-size", "0",
-                 "--part-size", "1MiB", "--readahead-max", "1MiB", env=env) as mnt:
+    with mounted(f"{url}/changing", tmp_path / "mnt", *args, "--block-size", "1MiB",
+                 "--readahead-max", "1MiB", env=env) as mnt:
         fd = os.open(mnt / "file.bin", os.O_RDONLY)
         try:
             assert os.pread(fd, 4096, 0) == old[:4096]

@@ -131,8 +131,8 @@ def _peak_rss_kib(pid: int) -> int:
 
 
 def test_multi_gigabyte_object_streams_in_bounded_memory(tmp_path):
-    """A 3 GiB object (sparse, with random data at a few places) read end to end: the
-    daemon's peak RSS stays far below the object size."""
+    """A 3 GiB object (sparse, with random data at a few places) read end to end: with a
+    64 MiB RAM cache and read-ahead budget, the daemon's peak RSS stays far below it."""
     root = tmp_path / "bucket"
     root.mkdir()
     size = 3 * 1024**3 + 12345
@@ -143,7 +143,8 @@ def test_multi_gigabyte_object_streams_in_bounded_memory(tmp_path):
             f.seek(offset)
             f.write(rng.randbytes(4 * MiB))
     expected = sha256_file(root / "huge.bin")
-    with mounted(f"file://{root}", tmp_path / "mnt", "--readahead-budget", "64MiB") as mnt:
+    with mounted(f"file://{root}", tmp_path / "mnt", "--readahead-budget", "64MiB",
+                 "--readahead-max", "32MiB", "--ram-cache", "64MiB") as mnt:
         pid = int((state_dir(str(mnt.resolve())) / "pid").read_text())
         digest = hashlib.sha256()
         with open(mnt / "huge.bin", "rb", buffering=0) as f:

@@ -71,11 +71,11 @@ def test_bad_config_and_url(source, tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     conf = tmp_path / "bad.conf"
-    conf.write_text("[read]\npart_sise = 1\n")
+    conf.write_text("[cache]\nblock_sise = 1\n")
     assert_one_line_error(bucketfs("mount", f"file://{source}", str(mnt), "--config", str(conf)),
-                          "unknown key read.part_sise")
-    assert_one_line_error(bucketfs("mount", f"file://{source}", str(mnt), "--part-size", "x"),
-                          "bad value for read.part_size")
+                          "unknown key cache.block_sise")
+    assert_one_line_error(bucketfs("mount", f"file://{source}", str(mnt), "--block-size", "x"),
+                          "bad value for cache.block_size")
     assert_one_line_error(bucketfs("mount", "ftp://host/x", str(mnt)), "unsupported URL")
     assert mount_entry(str(mnt)) is None
 

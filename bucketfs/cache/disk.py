@@ -1,0 +1,288 @@
+"""The SSD tier: one file per block under the cache directory, indexed in RocksDB.
+
+Durability, in this order, so a crash at any moment leaves nothing torn under a real
+name: write `NAME.tmp`, fsync, rename to `NAME`, then record it in the index. A block
+file starts with a header naming its entry and the CRC32 of its bytes; a read checks
+both, so a stale, foreign or damaged file is a miss, never wrong data. At startup the
+index is scanned once (to restore the eviction policy and the byte count) and files
+nobody indexed (a crash between rename and index) are deleted; a valid cache is never
+wiped.
+
+A full disk (ENOSPC), a read-only or unwritable directory make the tier step aside for
+writes with one warning; reads keep working from RAM and the origin. Blocking: called
+from worker threads, so every mutation of shared state holds `self.lock`.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import struct
+import threading
+import zlib
+from pathlib import Path
+
+from rocksdict import Options, Rdict
+
+from bucketfs.cache.blocks import BlockId
+from bucketfs.prefetch.eviction import EvictionPolicy
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"BFSB1\n"
+_HEADER = struct.Struct("<IQI")  # entry-name length, data length, crc32
+_RECORD = struct.Struct("<QId")  # data length, crc32, cost
+ENTRY = b"E"
+CLOCK_KEY = b"C:clock"
+FORMAT_KEY = b"C:format"
+FORMAT = b"1"
+#: errnos that mean "this directory cannot take writes now", not a bug.
+_STEP_ASIDE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+
+
+class CacheDirError(Exception):
+    """The cache directory cannot be used at all (one line for the user)."""
+
+
+def _record(length: int, crc: int, cost: float, state: tuple[float, ...]) -> bytes:
+    return _RECORD.pack(length, crc, cost) + struct.pack(f"<{len(state)}d", *state)
+
+
+def _parse_record(value: bytes) -> tuple[int, int, float, tuple[float, ...]]:
+    length, crc, cost = _RECORD.unpack_from(value)
+    rest = value[_RECORD.size:]
+    return length, crc, cost, struct.unpack(f"<{len(rest) // 8}d", rest)
+
+
+class DiskTier:
+    def __init__(
+        self, directory: str | os.PathLike[str], capacity: int, policy: EvictionPolicy, *,
+        namespace: str, free_floor: int = 0,
+    ) -> None:
+        self.directory = Path(directory)
+        self.capacity = capacity
+        self.free_floor = free_floor
+        self.policy = policy
+        self.namespace = namespace
+        self.lock = threading.Lock()
+        #: Entries being written now (their bytes already count in `used`).
+        self.writing: set[bytes] = set()
+        self.used = 0
+        self.evictions = 0
+        #: False once writes failed for a reason the disk will not fix by itself.
+        self.writable = True
+        self.data_dir = self.directory / "data"
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            # RocksDB locks its directory: a second mount on the same cache fails here.
+            self.index = Rdict(str(self.directory / "index"), Options(raw_mode=True))
+        except Exception as exc:  # rocksdict raises its own exception types
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise CacheDirError(f"cannot use cache directory {self.directory}: {reason}") from None
+        self._load()
+
+    # --- startup ------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        if self.index.get(FORMAT_KEY) not in (None, FORMAT):
+            raise CacheDirError(f"{self.directory} holds a cache of another format; "
+                                "clear it with: bucketfs cache clear DIR")
+        self.index[FORMAT_KEY] = FORMAT
+        clock = self.index.get(CLOCK_KEY)
+        if clock is not None:
+            self.policy.restore_clock(struct.unpack("<d", clock)[0])
+        indexed: set[str] = set()
+        # Blocks of every bucket this directory ever cached compete for its room alike.
+        for name, value in self.index.items(from_key=ENTRY):
+            if not name.startswith(ENTRY):
+                break
+            indexed.add(self._file_name(name[1:]))
+            length, _, cost, state = _parse_record(value)
+            self.used += length
+            self.policy.restore(name[1:], length, cost, state)
+        self._sweep(indexed)
+
+    def _sweep(self, indexed: set[str]) -> None:
+        """Delete temporary files and files no index entry names (a crash left them)."""
+        removed = 0
+        for sub in self.data_dir.iterdir():
+            if not sub.is_dir():
+                continue
+            for path in sub.iterdir():
+                if path.name not in indexed:
+                    path.unlink(missing_ok=True)
+                    removed += 1
+        if removed:
+            log.info("cache: removed %d unindexed block files from %s", removed, self.data_dir)
+
+    # --- naming -------------------------------------------------------------------------
+
+    @staticmethod
+    def _file_name(entry: bytes) -> str:
+        return hashlib.sha256(entry).hexdigest()[:40] + ".blk"
+
+    def _path(self, entry: bytes) -> Path:
+        name = self._file_name(entry)
+        return self.data_dir / name[:2] / name
+
+    def _entry(self, block: BlockId) -> bytes:
+        return block.encode(self.namespace)
+
+    # --- reads --------------------------------------------------------------------------
+
+    def __contains__(self, block: BlockId) -> bool:
+        return self.index.get(ENTRY + self._entry(block)) is not None
+
+    def get(self, block: BlockId) -> tuple[bytes, float] | None:
+        """The block's bytes and its refetch cost, or None on a miss."""
+        entry = self._entry(block)
+        value = self.index.get(ENTRY + entry)
+        if value is None:
+            return None
+        length, crc, cost, _ = _parse_record(value)
+        data = self._read_verified(entry, length, crc)
+        with self.lock:
+            if data is None:
+                self._forget(entry, length)
+                return None
+            if entry in self.policy:
+                self.policy.touch(entry)
+                try:
+                    self._save_state(entry, length, crc, cost)
+                except Exception as exc:  # the index cannot take writes: still a hit
+                    self._step_aside(exc)
+        return data, cost
+
+    def _read_verified(self, entry: bytes, length: int, crc: int) -> bytes | None:
+        path = self._path(entry)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("cache: cannot read %s: %s; treating it as a miss", path, exc.strerror)
+            return None
+        header_len = len(MAGIC) + _HEADER.size
+        if raw[:len(MAGIC)] != MAGIC or len(raw) < header_len:
+            return self._bad(path, "bad header")
+        name_len, data_len, data_crc = _HEADER.unpack_from(raw, len(MAGIC))
+        name = raw[header_len:header_len + name_len]
+        data = raw[header_len + name_len:]
+        if name != entry or data_len != length or data_crc != crc or len(data) != length:
+            return self._bad(path, "names another entry or has the wrong length")
+        if zlib.crc32(data) != crc:
+            return self._bad(path, "checksum mismatch")
+        return data
+
+    def _bad(self, path: Path, why: str) -> None:
+        log.warning("cache: dropping %s: %s", path, why)
+        path.unlink(missing_ok=True)
+        return None
+
+    # --- writes -------------------------------------------------------------------------
+
+    def put(self, block: BlockId, data: bytes, cost: float) -> bool:
+        """Store a block durably; False if it was not stored (no room, tier stepped aside)."""
+        entry = self._entry(block)
+        if not self.writable or len(data) > self.capacity:
+            return False
+        with self.lock:
+            if entry in self.writing or self.index.get(ENTRY + entry) is not None:
+                return True
+            if not self._make_room(len(data)):
+                return False
+            # Counted from now, so concurrent writers cannot overrun the budget together.
+            self.writing.add(entry)
+            self.used += len(data)
+        crc = zlib.crc32(data)
+        path = self._path(entry)
+        try:
+            self._write_file(path, entry, data, crc)
+            with self.lock:
+                self.policy.admit(entry, len(data), cost)
+                self._save_state(entry, len(data), crc, cost)
+        except Exception as exc:  # OSError from the disk, RocksDB's own errors
+            with self.lock:
+                self.used -= len(data)
+                self.policy.remove(entry)
+            path.unlink(missing_ok=True)
+            self._step_aside(exc)
+            return False
+        finally:
+            with self.lock:
+                self.writing.discard(entry)
+        return True
+
+    def _write_file(self, path: Path, entry: bytes, data: bytes, crc: int) -> None:
+        path.parent.mkdir(exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{threading.get_ident():x}.tmp")
+        try:
+            with open(temporary, "wb") as f:
+                f.write(MAGIC + _HEADER.pack(len(entry), len(data), crc) + entry)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
+    def _make_room(self, size: int) -> bool:
+        """Evict until `size` more bytes fit the budget and the free-space floor."""
+        while self.used + size > self.capacity or not self._floor_allows(size):
+            victim = self.policy.victim()
+            if victim is None:
+                return False
+            value = self.index.get(ENTRY + victim)
+            self._forget(victim, _parse_record(value)[0] if value else 0)
+            self._path(victim).unlink(missing_ok=True)
+            self.evictions += 1
+        return True
+
+    def _floor_allows(self, size: int) -> bool:
+        if not self.free_floor:
+            return True
+        stats = os.statvfs(self.data_dir)
+        return stats.f_bavail * stats.f_frsize - size >= self.free_floor
+
+    def _forget(self, entry: bytes, length: int) -> None:
+        if self.index.get(ENTRY + entry) is not None:
+            self.index.delete(ENTRY + entry)
+            self.used -= length
+        self.policy.remove(entry)
+
+    def _save_state(self, entry: bytes, length: int, crc: int, cost: float) -> None:
+        """The index keeps each entry's eviction state, so a restart ranks as before."""
+        self.index[ENTRY + entry] = _record(length, crc, cost, self.policy.export(entry))
+
+    def _step_aside(self, exc: Exception) -> None:
+        if not isinstance(exc, OSError) or exc.errno in _STEP_ASIDE:
+            if self.writable:
+                reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+                log.warning("cache: %s: the SSD tier stops taking writes (%s); reads go on "
+                            "from RAM and the origin", self.directory, reason)
+            self.writable = False
+        else:
+            log.warning("cache: cannot write a block to %s: %s", self.directory, exc)
+
+    def remove(self, block: BlockId) -> None:
+        entry = self._entry(block)
+        with self.lock:
+            value = self.index.get(ENTRY + entry)
+            if value is not None:
+                self._forget(entry, _parse_record(value)[0])
+                self._path(entry).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        with self.lock:
+            try:
+                self.index[CLOCK_KEY] = struct.pack("<d", self.policy.export_clock())
+                self.index.flush()
+                self.index.close()
+            except Exception as exc:  # a full disk: what the WAL holds is recovered
+                log.warning("cache: could not save the index of %s on close: %s",
+                            self.directory, str(exc).splitlines()[0])
+

@@ -1,0 +1,219 @@
+"""The tiered cache as code: hits, single flight, versions, the SSD tier's durability,
+persistence across reopen, budgets, and a full disk."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+from bucketfs.prefetch.eviction import make_policy
+
+from bucketfs.backends.retry import RetryPolicy
+from bucketfs.backends.store import ObjectStore
+from bucketfs.cache.blocks import BlockId, ObjectRef, block_span
+from bucketfs.cache.disk import DiskTier
+from bucketfs.cache.ram import RamTier
+from bucketfs.cache.tiered import BlockCache
+from tests.membackend import MemoryBackend
+
+KiB, MiB = 1024, 1024**2
+BLOCK = 256 * KiB
+
+
+def dataset(count: int = 40, size: int = 100 * KiB) -> dict[str, bytes]:
+    rng = random.Random(count)
+    return {f"img/{i:04d}.jpg": rng.randbytes(size + i) for i in range(count)}
+
+
+class Harness:
+    """A BlockCache over a MemoryBackend, with an optional SSD tier in `directory`."""
+
+    def __init__(self, objects, *, ram=64 * MiB, disk=None, directory=None, policy="cost-lrfu"):
+        self.backend = MemoryBackend(objects)
+        self.ram_capacity, self.disk_capacity = ram, disk
+        self.directory, self.policy = directory, policy
+
+    def ref(self, key: str) -> ObjectRef:
+        return ObjectRef(key, self.backend.version(key), len(self.backend.objects[key]))
+
+    def run(self, body):
+        """Run `body(cache)` in a fresh cache (a fresh daemon); flush and close after."""
+
+        async def main():
+            disk = None
+            if self.directory is not None:
+                disk = DiskTier(self.directory, self.disk_capacity, make_policy(self.policy),
+                                namespace="mem://bucket")
+            async with trio.open_nursery() as nursery:
+                store = ObjectStore(self.backend, max_workers=4, retry=RetryPolicy(1))
+                ram = RamTier(self.ram_capacity, make_policy(self.policy))
+                cache = BlockCache(store, ram, disk, block_size=BLOCK, nursery=nursery)
+                try:
+                    await body(cache)
+                    await cache.flush()
+                finally:
+                    nursery.cancel_scope.cancel()
+            if disk is not None:
+                await trio.sleep(0)
+                disk.close()
+
+        trio.run(main)
+
+    async def read_all(self, cache: BlockCache, keys=None) -> None:
+        for key in keys or sorted(self.backend.objects):
+            ref = self.ref(key)
+            blocks = range((ref.size + BLOCK - 1) // BLOCK)
+            data = b"".join([await cache.get(ref, i) for i in blocks])
+            assert data == self.backend.objects[key]
+            assert cache.ram.used <= cache.ram.capacity
+            if cache.disk is not None:
+                assert cache.disk.used <= cache.disk.capacity
+
+
+def test_second_pass_that_fits_issues_no_get():
+    h = Harness(dataset())
+
+    async def body(cache):
+        await h.read_all(cache)
+        gets = h.backend.calls["get"]
+        await h.read_all(cache)
+        assert h.backend.calls["get"] == gets == 40
+        assert cache.stats.ram_hits == 40
+
+    h.run(body)
+
+
+def test_concurrent_misses_of_one_block_cause_one_get():
+    objects = dataset(1, 200 * KiB)
+    h = Harness(objects)
+    gate = threading.Event()
+    original = h.backend.get_range
+
+    def slow_get(*args):
+        gate.wait(5)
+        return original(*args)
+
+    h.backend.get_range = slow_get
+
+    async def body(cache):
+        ref = h.ref("img/0000.jpg")
+        results = []
+
+        async def reader():
+            results.append(await cache.get(ref, 0))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(10):
+                nursery.start_soon(reader)
+            await trio.sleep(0.2)
+            gate.set()
+        assert results == [objects["img/0000.jpg"][:BLOCK]] * 10
+        assert cache.stats.single_flight_waits == 9
+
+    h.run(body)
+    assert h.backend.calls["get"] == 1
+
+
+def test_a_new_version_is_served_new_and_never_mixed():
+    h = Harness({"f": random.Random(1).randbytes(3 * BLOCK)})
+
+    async def body(cache):
+        old = h.ref("f")
+        first = await cache.get(old, 0)
+        h.backend.objects["f"] = random.Random(2).randbytes(3 * BLOCK)
+        new = h.ref("f")
+        assert new.version != old.version
+        data = b"".join([await cache.get(new, i) for i in range(3)])
+        assert data == h.backend.objects["f"]
+        assert await cache.get(old, 0) == first  # the old version's entry is its own
+
+    h.run(body)
+
+
+def test_ram_evictions_demote_to_ssd_and_a_reopened_cache_needs_no_get(tmp_path):
+    # RAM holds a quarter of the data; the SSD tier all of it.
+    objects = dataset(40)
+    h = Harness(objects, ram=1 * MiB, disk=64 * MiB, directory=tmp_path / "cache")
+    h.run(h.read_all)
+    assert h.backend.calls["get"] == 40
+    h.run(h.read_all)  # a new "daemon" on the same directory
+    assert h.backend.calls["get"] == 40, "a reopened cache went back to the origin"
+
+
+def test_ssd_budget_holds_under_twice_its_size(tmp_path):
+    objects = dataset(60)  # ~6 MiB
+    h = Harness(objects, ram=512 * KiB, disk=3 * MiB, directory=tmp_path / "cache")
+
+    async def body(cache):
+        for _ in range(2):
+            await h.read_all(cache)
+        assert cache.disk.evictions > 0 and cache.ram.evictions > 0
+
+    h.run(body)
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "cache/data").rglob("*.blk"))
+    assert on_disk <= 3 * MiB + 60 * 200  # headers are small and not counted as data
+
+
+def test_damaged_or_foreign_block_files_are_misses_not_data(tmp_path):
+    objects = dataset(4)
+    h = Harness(objects, ram=1, disk=64 * MiB, directory=tmp_path / "cache")
+    h.run(h.read_all)
+    files = sorted((tmp_path / "cache/data").rglob("*.blk"))
+    assert len(files) == 4
+    raw = bytearray(files[0].read_bytes())
+    raw[-1] ^= 0xFF  # a flipped bit in the data
+    files[0].write_bytes(bytes(raw))
+    files[1].write_bytes(files[2].read_bytes())  # another entry's bytes under this name
+    files[3].write_bytes(files[3].read_bytes()[:100])  # torn
+    h.run(h.read_all)
+    assert h.backend.calls["get"] == 4 + 3
+
+
+def test_startup_removes_unindexed_and_temporary_files(tmp_path):
+    h = Harness(dataset(2), ram=1, disk=64 * MiB, directory=tmp_path / "cache")
+    h.run(h.read_all)
+    stray = tmp_path / "cache/data/ab"
+    stray.mkdir(exist_ok=True)
+    (stray / "ab0000.blk.123.tmp").write_bytes(b"half a block")
+    (stray / "ab1111.blk").write_bytes(b"never indexed")
+    h.run(h.read_all)
+    assert not list(stray.iterdir())
+    assert h.backend.calls["get"] == 2
+
+
+def test_block_span():
+    assert block_span(10, 4, 0) == (0, 4)
+    assert block_span(10, 4, 2) == (8, 10)
+    assert BlockId("k", "v", 1).encode("s3://b") == b"s3://b\0k\0v\x001"
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A real 3 MiB tmpfs, so the SSD tier meets a real ENOSPC."""
+    mountpoint = tmp_path / "tiny"
+    mountpoint.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mountpoint)],
+                   check=True)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def test_full_disk_steps_aside_and_reads_go_on(tiny_filesystem: Path, caplog):
+    objects = dataset(60)  # ~6 MiB: more than the filesystem holds
+    h = Harness(objects, ram=256 * KiB, disk=100 * MiB, directory=tiny_filesystem / "cache")
+
+    async def body(cache):
+        await h.read_all(cache)
+        await trio.sleep(0.2)  # let the demotions run into the full disk
+        await h.read_all(cache)
+        assert not cache.disk.writable
+
+    h.run(body)
+    steps = [r for r in caplog.records if "stops taking writes" in r.getMessage()]
+    assert len(steps) == 1

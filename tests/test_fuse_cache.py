@@ -1,0 +1,127 @@
+"""The cache through a real mount of a real S3 server, requests counted by a proxy: a
+second epoch and a remount go without GETs; a kill -9 while filling never yields torn
+bytes; a cache directory in use is refused."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from bucketfs.runtime import state_dir
+from tests.mounting import bucketfs, force_unmount, mounted, sha256_file
+
+KiB, MiB = 1024, 1024**2
+FILES = {f"train/c{i % 4}/{i:04d}.jpg": random.Random(i).randbytes(60 * KiB + i * 97)
+         for i in range(120)}
+FILES["big/blob.bin"] = random.Random(99).randbytes(9 * MiB + 5)
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server):
+    s3_server.create_bucket("cached")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda kv: s3_server.put("cached", *kv), FILES.items()))
+    return "cached"
+
+
+@pytest.fixture
+def counted(s3_server, bucket, fault_proxy):
+    proxy = fault_proxy(s3_server.endpoint)
+    env = {**s3_server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    return proxy, env
+
+
+def read_everything(mnt) -> None:
+    for name, data in FILES.items():
+        assert (mnt / name).read_bytes() == data, name
+
+
+def drop_kernel_cache() -> None:
+    """So a second pass reaches the daemon instead of the page cache."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def object_gets(proxy) -> int:
+    return proxy.count("GET") - proxy.count("GET", "list-type=2")
+
+
+def test_second_epoch_and_remount_issue_no_get(counted, tmp_path):
+    proxy, env = counted
+    args = ("--addressing-style", "path", "--cache-dir", str(tmp_path / "cache"),
+            "--block-size", "1MiB", "--disk-free-floor", "0")
+    with mounted("s3://cached", tmp_path / "mnt", *args, env=env) as mnt:
+        read_everything(mnt)
+        first = object_gets(proxy)
+        assert first == 120 + 10  # one GET per image, ten 1 MiB blocks for the big one
+        drop_kernel_cache()
+        read_everything(mnt)
+        assert object_gets(proxy) == first
+    proxy.clear()
+    with mounted("s3://cached", tmp_path / "mnt", *args, env=env) as mnt:
+        drop_kernel_cache()
+        read_everything(mnt)
+        assert object_gets(proxy) == 0, "a remount went back to the bucket for data"
+
+
+def test_ram_only_cache_serves_a_second_epoch(counted, tmp_path):
+    proxy, env = counted
+    with mounted("s3://cached", tmp_path / "mnt", "--addressing-style", "path",
+                 env=env) as mnt:
+        read_everything(mnt)
+        first = object_gets(proxy)
+        drop_kernel_cache()
+        read_everything(mnt)
+        assert object_gets(proxy) == first
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.3, 0.8])
+def test_kill_9_while_filling_then_remount_is_byte_exact(counted, tmp_path, delay):
+    _, env = counted
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cache = tmp_path / "cache"
+    args = ("--addressing-style", "path", "--cache-dir", str(cache), "--block-size", "256KiB",
+            "--disk-free-floor", "0")
+    result = bucketfs("mount", "s3://cached", str(mnt), *args, env=env)
+    assert result.returncode == 0, result.stderr
+    pid = int((state_dir(str(mnt)) / "pid").read_text())
+    names = list(FILES)
+    random.Random(delay).shuffle(names)
+
+    def reader():
+        for name in names:
+            try:
+                (mnt / name).read_bytes()
+            except OSError:
+                return  # the daemon is gone
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(reader) for _ in range(4)]
+        time.sleep(delay)
+        os.kill(pid, signal.SIGKILL)
+        for future in futures:
+            future.result()
+    force_unmount(mnt)  # the stale mount the killed daemon left
+    with mounted("s3://cached", tmp_path / "mnt2", *args, env=env) as again:
+        drop_kernel_cache()
+        for name, data in FILES.items():
+            assert sha256_file(again / name) == hashlib.sha256(data).hexdigest(), name
+
+
+def test_cache_dir_in_use_is_refused(counted, tmp_path):
+    _, env = counted
+    args = ("--addressing-style", "path", "--cache-dir", str(tmp_path / "cache"))
+    with mounted("s3://cached", tmp_path / "one", *args, env=env):
+        (tmp_path / "two").mkdir()
+        result = bucketfs("mount", "s3://cached", str(tmp_path / "two"), *args, env=env)
+        assert result.returncode == 1
+        assert "cannot use cache directory" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
