@@ -145,6 +145,9 @@ OPTIONS: tuple[Option, ...] = (
            "how long a directory listing is trusted before it is listed again; "
            "training data does not change, so by default for the life of the mount",
            '"forever"'),
+    Option("mount", "refresh", _bool, False,
+           "list the bucket again at mount instead of trusting the listings kept in "
+           "cache_dir (they are trusted for metadata_ttl)", "false"),
     Option("mount", "kernel_ttl", parse_duration, 3600.0,
            "seconds the kernel may cache names, attributes and missing names "
            "(capped by metadata_ttl)", "3600"),

@@ -22,12 +22,13 @@ import pyfuse3
 import trio
 
 from bucketfs.backends import open_backend
-from bucketfs.backends.base import Backend, BackendError
+from bucketfs.backends.base import Backend, BackendError, NotFound
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.store import ObjectStore
 from bucketfs.backends.urls import BucketUrl
 from bucketfs.cache.disk import CacheDirError, DiskTier
+from bucketfs.cache.listings import ListingCache
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config
@@ -130,64 +131,91 @@ async def _serve(
     retry = RetryPolicy(config.retry_attempts, config.retry_base_delay, config.retry_max_delay)
     store = ObjectStore(backend, max_workers=config.max_connections, retry=retry,
                         page_size=config.list_page_size)
+    disk = open_disk_tier(info, config)
     try:
-        await ObjectStore(backend, max_workers=1, retry=MOUNT_CHECK_RETRY).check_access()
+        await _serve_with(info, backend, store, disk, ready)
+    finally:
+        if disk is not None:
+            disk.close()
+
+
+async def _check_access(backend: Backend, saved: ListingCache | None) -> None:
+    """Prove the credentials and the bucket before mounting. With listings kept from an
+    earlier mount, a HEAD of an object they name does it without a LIST."""
+    checker = ObjectStore(backend, max_workers=1, retry=MOUNT_CHECK_RETRY)
+    probe = saved.any_object() if saved is not None else None
+    try:
+        if probe is not None:
+            try:
+                await checker.head(probe)
+                return
+            except NotFound:
+                pass  # the saved listing is out of date there; ask the bucket itself
+        await checker.check_access()
     except BackendError as exc:
         raise MountError(str(exc)) from None
 
-    namespace = Namespace(store, info.url.prefix, metadata_ttl=config.metadata_ttl)
+
+async def _serve_with(
+    info: MountInfo, backend: Backend, store: ObjectStore, disk: DiskTier | None,
+    ready: Callable[[list[str]], None],
+) -> None:
+    config = info.config
+    saved = None
+    if disk is not None:
+        saved = ListingCache(disk.index, info.url.bucket_url)
+        if config.refresh:
+            saved.forget_all()
+    await _check_access(backend, saved)
+    namespace = Namespace(store, info.url.prefix, metadata_ttl=config.metadata_ttl,
+                          saved=saved)
     warnings = []
     try:
         if not await namespace.children(namespace.root.inode):
             warnings.append(f"{info.url} names no objects: the mount is empty")
     except BackendError as exc:
         raise MountError(str(exc)) from None
-    disk = open_disk_tier(info, config)
-    try:
-        async with trio.open_nursery() as nursery:
-            cache = BlockCache(
-                store, RamTier(config.ram_cache, make_policy(config.eviction)),
-                disk, block_size=config.block_size, nursery=nursery,
-            )
-            reader = Reader(
-                cache, ByteBudget(config.readahead_budget),
-                ReadSettings(readahead_initial=min(1024**2, config.readahead_max),
-                             readahead_max=config.readahead_max),
-                nursery,
-            )
-            operations = Operations(
-                namespace, reader,
-                uid=os.getuid() if config.uid is None else config.uid,
-                gid=os.getgid() if config.gid is None else config.gid,
-                kernel_ttl=_kernel_ttl(config),
-            )
-            try:
-                pyfuse3.init(operations, info.mountpoint, fuse_options(info.url, config))
-            except RuntimeError as exc:
-                raise MountError(f"cannot mount on {info.mountpoint}: {exc}") from None
-            try:
-                _write_state(info.mountpoint)
-                log.info("mounted %s on %s", info.url, info.mountpoint)
-                for warning in warnings:
-                    log.warning(warning)
-                ready(warnings)
-                nursery.start_soon(_stop_on_signal)
-                nursery.start_soon(_set_kernel_readahead, info.mountpoint,
-                                   config.kernel_readahead)
-                # Returns when the kernel ends the session (fusermount -u) or a signal
-                # calls terminate(); unmounting an already unmounted path is harmless, and
-                # a crash must not leave a stale mount behind.
-                await pyfuse3.main(max_tasks=max(16, 2 * config.max_connections))
-            finally:
-                pyfuse3.close(unmount=True)
-                _clear_state(info.mountpoint)
-            log.info("unmounted %s", info.mountpoint)
-            # A clean exit keeps what only RAM held, so the next mount finds it on SSD.
-            await cache.flush()
-            nursery.cancel_scope.cancel()
-    finally:
-        if disk is not None:
-            disk.close()
+    async with trio.open_nursery() as nursery:
+        cache = BlockCache(
+            store, RamTier(config.ram_cache, make_policy(config.eviction)),
+            disk, block_size=config.block_size, nursery=nursery,
+        )
+        reader = Reader(
+            cache, ByteBudget(config.readahead_budget),
+            ReadSettings(readahead_initial=min(1024**2, config.readahead_max),
+                         readahead_max=config.readahead_max),
+            nursery,
+        )
+        operations = Operations(
+            namespace, reader,
+            uid=os.getuid() if config.uid is None else config.uid,
+            gid=os.getgid() if config.gid is None else config.gid,
+            kernel_ttl=_kernel_ttl(config),
+        )
+        try:
+            pyfuse3.init(operations, info.mountpoint, fuse_options(info.url, config))
+        except RuntimeError as exc:
+            raise MountError(f"cannot mount on {info.mountpoint}: {exc}") from None
+        try:
+            _write_state(info.mountpoint)
+            log.info("mounted %s on %s", info.url, info.mountpoint)
+            for warning in warnings:
+                log.warning(warning)
+            ready(warnings)
+            nursery.start_soon(_stop_on_signal)
+            nursery.start_soon(_set_kernel_readahead, info.mountpoint,
+                               config.kernel_readahead)
+            # Returns when the kernel ends the session (fusermount -u) or a signal
+            # calls terminate(); unmounting an already unmounted path is harmless, and
+            # a crash must not leave a stale mount behind.
+            await pyfuse3.main(max_tasks=max(16, 2 * config.max_connections))
+        finally:
+            pyfuse3.close(unmount=True)
+            _clear_state(info.mountpoint)
+        log.info("unmounted %s", info.mountpoint)
+        # A clean exit keeps what only RAM held, so the next mount finds it on SSD.
+        await cache.flush()
+        nursery.cancel_scope.cancel()
 
 
 def open_disk_tier(info: MountInfo, config: Config) -> DiskTier | None:
@@ -196,7 +224,7 @@ def open_disk_tier(info: MountInfo, config: Config) -> DiskTier | None:
     try:
         return DiskTier(
             config.cache_dir, config.disk_cache, make_policy(config.eviction),
-            namespace=str(info.url), free_floor=config.disk_free_floor,
+            namespace=info.url.bucket_url, free_floor=config.disk_free_floor,
         )
     except CacheDirError as exc:
         raise MountError(str(exc)) from None

@@ -25,6 +25,7 @@ import trio
 
 from bucketfs.backends.base import ObjectInfo
 from bucketfs.backends.store import ObjectStore
+from bucketfs.cache.listings import ListingCache
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,12 @@ class Namespace:
         *,
         metadata_ttl: float = math.inf,
         clock: Callable[[], float] = time.monotonic,
+        saved: ListingCache | None = None,
     ) -> None:
         self.store = store
         self.metadata_ttl = metadata_ttl
+        #: Listings kept from earlier mounts (with --cache-dir), trusted within the TTL.
+        self.saved = saved
         self.clock = clock
         self.mount_time_ns = time.time_ns()
         self.nodes: dict[int, Node] = {}
@@ -131,7 +135,15 @@ class Namespace:
         return directory.children
 
     async def _list(self, directory: Node) -> None:
-        listing = await self.store.list_dir(directory.key)
+        listing, age = None, 0.0
+        if self.saved is not None and directory.children is None:
+            found = self.saved.get(directory.key)
+            if found is not None and found[1] < self.metadata_ttl:
+                listing, age = found
+        if listing is None:
+            listing = await self.store.list_dir(directory.key)
+            if self.saved is not None:
+                self.saved.put(directory.key, listing)
         old = directory.children or {}
         children: dict[str, int] = {}
         prefix_len = len(directory.key)
@@ -159,7 +171,7 @@ class Namespace:
             children[name] = node.inode
         directory.children = children
         directory.sorted_names = sorted(children)
-        directory.listed_at = self.clock()
+        directory.listed_at = self.clock() - age
 
     def _node(self, old: dict[str, int], parent: Node, name: str, is_dir: bool, key: str) -> Node:
         """Reuse the inode of an entry that survives a re-listing; else make a new one."""

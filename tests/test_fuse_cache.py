@@ -53,7 +53,11 @@ def object_gets(proxy) -> int:
     return proxy.count("GET") - proxy.count("GET", "list-type=2")
 
 
-def test_second_epoch_and_remount_issue_no_get(counted, tmp_path):
+def lists(proxy) -> int:
+    return proxy.count("GET", "list-type=2")
+
+
+def test_second_epoch_and_remount_issue_no_get_and_no_list(counted, tmp_path):
     proxy, env = counted
     args = ("--addressing-style", "path", "--cache-dir", str(tmp_path / "cache"),
             "--block-size", "1MiB", "--disk-free-floor", "0")
@@ -69,6 +73,25 @@ def test_second_epoch_and_remount_issue_no_get(counted, tmp_path):
         drop_kernel_cache()
         read_everything(mnt)
         assert object_gets(proxy) == 0, "a remount went back to the bucket for data"
+        assert lists(proxy) == 0, "a remount listed the bucket again"
+        assert proxy.count("HEAD") == 1  # the access check, by an object it already knew
+    proxy.clear()
+    with mounted("s3://cached", tmp_path / "mnt", *args, "--refresh", env=env) as mnt:
+        assert sorted(os.listdir(mnt / "train")) == ["c0", "c1", "c2", "c3"]
+        assert lists(proxy) >= 2  # --refresh asks the bucket again
+
+
+def test_saved_listings_expire_with_the_metadata_ttl(counted, tmp_path):
+    proxy, env = counted
+    args = ("--addressing-style", "path", "--cache-dir", str(tmp_path / "cache"),
+            "--metadata-ttl", "1")
+    with mounted("s3://cached", tmp_path / "mnt", *args, env=env) as mnt:
+        assert len(os.listdir(mnt / "train/c0")) == 30
+    time.sleep(1.2)
+    proxy.clear()
+    with mounted("s3://cached", tmp_path / "mnt", *args, env=env) as mnt:
+        assert len(os.listdir(mnt / "train/c0")) == 30
+        assert lists(proxy) >= 3  # root, train/, train/c0/ listed again
 
 
 def test_ram_only_cache_serves_a_second_epoch(counted, tmp_path):

@@ -20,6 +20,12 @@ class BucketUrl:
     #: Key prefix the mount shows as its root: "" or ending in "/".
     prefix: str
 
+    @property
+    def bucket_url(self) -> str:
+        """The bucket alone, without the prefix: what cached keys are relative to."""
+        return f"file://{self.bucket}" if self.scheme == "file" else \
+            f"{self.scheme}://{self.bucket}"
+
     def __str__(self) -> str:
         if self.scheme == "file":
             return f"file://{self.bucket}"
