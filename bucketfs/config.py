@@ -188,6 +188,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache", "eviction", _choice("cost-lrfu", "lrfu", "lru", "lfu"), "cost-lrfu",
            "eviction policy of both tiers: cost-aware LRFU (DLCache), LRFU, LRU or LFU",
            '"cost-lrfu"'),
+    Option("cache", "eviction_cooldown", _positive_int, 64,
+           "references during which a just-admitted block is not evicted while anything "
+           "else can be (protects read-ahead until the reader gets there)", "64"),
     Option("read", "kernel_readahead", parse_size, 4 * 1024**2,
            "the kernel's own read-ahead for this mount (its bdi read_ahead_kb); larger "
            "means fewer, larger FUSE reads of big files. Set when mounting as root",

@@ -34,7 +34,7 @@ from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config
 from bucketfs.fs import Operations
 from bucketfs.namespace import Namespace
-from bucketfs.prefetch.eviction import make_policy
+from bucketfs.prefetch.eviction import EvictionPolicy, make_policy
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
 from bucketfs.runtime import FSTYPE, mounted, state_dir
 
@@ -177,7 +177,7 @@ async def _serve_with(
         raise MountError(str(exc)) from None
     async with trio.open_nursery() as nursery:
         cache = BlockCache(
-            store, RamTier(config.ram_cache, make_policy(config.eviction)),
+            store, RamTier(config.ram_cache, eviction_policy(config)),
             disk, block_size=config.block_size, nursery=nursery,
         )
         reader = Reader(
@@ -218,12 +218,16 @@ async def _serve_with(
         nursery.cancel_scope.cancel()
 
 
+def eviction_policy(config: Config) -> EvictionPolicy:
+    return make_policy(config.eviction, cooldown=config.eviction_cooldown)
+
+
 def open_disk_tier(info: MountInfo, config: Config) -> DiskTier | None:
     if config.cache_dir is None:
         return None
     try:
         return DiskTier(
-            config.cache_dir, config.disk_cache, make_policy(config.eviction),
+            config.cache_dir, config.disk_cache, eviction_policy(config),
             namespace=info.url.bucket_url, free_floor=config.disk_free_floor,
         )
     except CacheDirError as exc:

@@ -217,3 +217,26 @@ def test_full_disk_steps_aside_and_reads_go_on(tiny_filesystem: Path, caplog):
     h.run(body)
     steps = [r for r in caplog.records if "stops taking writes" in r.getMessage()]
     assert len(steps) == 1
+
+
+def test_free_space_floor_is_kept_without_wiping_the_cache(tiny_filesystem: Path):
+    objects = dataset(20)  # ~2 MiB
+    directory = tiny_filesystem / "cache"
+    h = Harness(objects, ram=1, disk=100 * MiB, directory=directory)
+    h.run(h.read_all)
+    on_disk = len(list((directory / "data").rglob("*.blk")))
+    assert on_disk > 0
+    # Someone else fills the device: a floor above what is free cannot be met by evicting
+    # our blocks, so none are evicted and nothing more is written.
+
+    h.backend.objects.update({f"new/{i}": random.Random(i).randbytes(50 * KiB)
+                              for i in range(10)})
+
+    async def body(cache):
+        cache.disk.free_floor = 64 * MiB
+        await h.read_all(cache)
+        assert cache.disk.evictions == 0
+        assert cache.stats.misses == 10 and cache.stats.disk_hits == 20
+
+    h.run(body)
+    assert len(list((directory / "data").rglob("*.blk"))) == on_disk

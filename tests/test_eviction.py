@@ -442,3 +442,24 @@ def test_many_entries() -> None:
         evicted += 1
     assert len(policy) == 199_000
     assert math.isfinite(policy.export(199_999)[2])
+
+
+# -- the simulator's reference point -----------------------------------------------------
+
+def test_belady_and_replay_on_a_hand_trace() -> None:
+    from bench.simulate import Result, Trace, simulate, simulate_min
+
+    trace = Trace("hand", "", keys=[0, 1, 2, 0, 1, 3, 0, 1, 2], sizes=[1] * 4,
+                  costs=[1.0, 1.0, 1.0, 5.0])
+    # MIN with room for two: 2 and 3 are never worth caching (their next use is the
+    # farthest), so 0 and 1 stay and hit twice each.
+    best = simulate_min(trace, 2, Result("MIN", 0.5, 2))
+    assert (best.hits, best.bytes_fetched, best.fetch_time_s) == (4, 5, 9.0)
+    # LRU evicts each key just before its reuse.
+    lru = simulate(make_policy("lru", cooldown=0), trace, 2, Result("lru", 0.5, 2))
+    assert (lru.hits, lru.refs) == (0, 9)
+    # An object larger than the tier is fetched, never admitted.
+    big = Trace("big", "", keys=[0, 0], sizes=[3], costs=[1.0])
+    for result in (simulate(make_policy(), big, 2, Result("c", 1, 2)),
+                   simulate_min(big, 2, Result("MIN", 1, 2))):
+        assert (result.hits, result.bytes_fetched) == (0, 6)

@@ -9,6 +9,7 @@ import hashlib
 import os
 import random
 import signal
+import subprocess
 import time
 
 import pytest
@@ -148,3 +149,23 @@ def test_cache_dir_in_use_is_refused(counted, tmp_path):
         assert result.returncode == 1
         assert "cannot use cache directory" in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_full_cache_disk_degrades_without_errors_to_readers(counted, tmp_path):
+    """The cache directory on a real 2 MiB tmpfs: the SSD tier fills, steps aside with one
+    warning, and every read still returns the right bytes."""
+    _, env = counted
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(tiny)], check=True)
+    try:
+        with mounted("s3://cached", tmp_path / "mnt", "--addressing-style", "path",
+                     "--cache-dir", str(tiny / "cache"), "--disk-free-floor", "0",
+                     "--ram-cache", "1MiB", env=env) as mnt:
+            read_everything(mnt)
+            drop_kernel_cache()
+            read_everything(mnt)
+        log = (tmp_path / "mnt.log").read_text()
+        assert log.count("stops taking writes") == 1
+    finally:
+        subprocess.run(["umount", "-l", str(tiny)], check=False)

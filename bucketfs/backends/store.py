@@ -7,10 +7,12 @@ through the one retry policy.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import trio
 
@@ -31,6 +33,30 @@ class RequestCounts:
     bytes_fetched: int = 0
 
 
+#: Upper bounds (seconds) of the request-latency buckets; a last bucket takes the rest.
+LATENCY_BOUNDS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+
+
+@dataclass(slots=True)
+class LatencyHistogram:
+    """How long requests of one kind took, in fixed buckets (`bucketfs.metrics` renders it).
+
+    `counts[i]` counts requests that took at most `bounds[i]` and more than the bound
+    before; the extra last count is for those slower than every bound. Only the trio
+    thread observes; a scrape reads it from another thread, so `count` is the sum of a
+    copy of `counts` rather than a field of its own."""
+
+    bounds: ClassVar[tuple[float, ...]] = LATENCY_BOUNDS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS) + 1))
+    sum: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+
 @dataclass(slots=True)
 class DirListing:
     objects: list[ObjectInfo] = field(default_factory=list)
@@ -47,11 +73,28 @@ class ObjectStore:
         self.page_size = page_size
         self.limiter = trio.CapacityLimiter(max_workers)
         self.counts = RequestCounts()
+        #: Time of each attempt by kind, in the worker thread: waiting for a slot excluded.
+        self.latency = {kind: LatencyHistogram() for kind in ("get", "head", "list")}
 
     async def _run(self, what: str, kind: str, fn: Callable[[], T]) -> T:
+        histogram = self.latency[kind]
+
         async def attempt() -> T:
             setattr(self.counts, kind, getattr(self.counts, kind) + 1)
-            return await trio.to_thread.run_sync(fn, limiter=self.limiter)
+            took: list[float] = []
+
+            def timed() -> T:
+                began = time.monotonic()
+                try:
+                    return fn()
+                finally:
+                    took.append(time.monotonic() - began)
+
+            try:
+                return await trio.to_thread.run_sync(timed, limiter=self.limiter)
+            finally:
+                if took:  # empty if cancelled while waiting for a slot
+                    histogram.observe(took[0])
 
         def count_retry() -> None:
             self.counts.retries += 1

@@ -231,22 +231,29 @@ class DiskTier:
             raise
 
     def _make_room(self, size: int) -> bool:
-        """Evict until `size` more bytes fit the budget and the free-space floor."""
-        while self.used + size > self.capacity or not self._floor_allows(size):
+        """Evict until `size` more bytes fit the budget and the free-space floor. If the
+        device is short of the floor by more than this tier holds, others filled it:
+        evicting our blocks would not help, so nothing is evicted and nothing written."""
+        shortfall = max(0, self.used + size - self.capacity, self._floor_shortfall(size))
+        if shortfall > self.used:
+            return False
+        while shortfall > 0:
             victim = self.policy.victim()
             if victim is None:
                 return False
             value = self.index.get(ENTRY + victim)
-            self._forget(victim, _parse_record(value)[0] if value else 0)
+            length = _parse_record(value)[0] if value else 0
+            self._forget(victim, length)
             self._path(victim).unlink(missing_ok=True)
             self.evictions += 1
+            shortfall -= length
         return True
 
-    def _floor_allows(self, size: int) -> bool:
+    def _floor_shortfall(self, size: int) -> int:
         if not self.free_floor:
-            return True
+            return 0
         stats = os.statvfs(self.data_dir)
-        return stats.f_bavail * stats.f_frsize - size >= self.free_floor
+        return max(0, self.free_floor - (stats.f_bavail * stats.f_frsize - size))
 
     def _forget(self, entry: bytes, length: int) -> None:
         if self.index.get(ENTRY + entry) is not None:
