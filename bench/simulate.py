@@ -5,11 +5,15 @@
 
 Models one cache tier of a given byte capacity that admits every object on a miss (one
 larger than the whole tier is fetched but not admitted), making room first by evicting
-`victim()`s. Each trace is replayed through every policy at capacities of 10%, 25%, 50%,
-75% and 90% of its working set (bytes of the distinct objects it reads); per run it
-reports the hit ratio, the bytes fetched and the fetch time, the sum of the refetch cost
-of every miss. Costs are per byte by origin, so "fetch time" is what the misses would
-have cost.
+`victim()`s; nothing is prefetched. Each trace is replayed through every policy (default
+parameters unless --set) at capacities of 10%, 25%, 50%, 75% and 90% of its working set
+(bytes of the distinct objects it reads); per run it reports the hit ratio, the bytes
+fetched and the fetch time, the sum of the refetch cost of every miss. Costs are per
+byte by origin (1x = 100 MB/s), and the policy is told the cost of each object it admits.
+
+Traces: shuffled (one job, multi-epoch), sweep (4 jobs on one dataset), mixed (three
+datasets from origins of different cost), skewed (weighted sampling with replacement),
+shift (skewed, hot set changes halfway), switch (one job's dataset, then another's).
 
 MIN evicts the cached object whose next use is farthest in the future (an object never
 used again first), and may evict the one it just admitted, i.e. not cache it. With equal
@@ -235,7 +239,7 @@ def simulate_min(trace: Trace, capacity: int, result: Result) -> Result:
         next_use[i] = seen.get(keys[i], never)
         seen[keys[i]] = i
     cached: dict[int, int] = {}  # key -> its next use
-    farthest: list[tuple[int, int]] = []  # (-next use, key), stale records skipped
+    farthest: list[tuple[int, int]] = []  # (-next use, key); outdated records skipped
     used = 0
     for i, key in enumerate(keys):
         result.refs += 1
@@ -259,6 +263,12 @@ def simulate_min(trace: Trace, capacity: int, result: Result) -> Result:
     return result
 
 
+def _settings(policy: EvictionPolicy) -> dict[str, float]:
+    """The parameters a policy runs with, defaults included, for the record."""
+    names = ("cooldown", "p", "lam", "tolerance", "cost_tolerance", "stale_after")
+    return {n: getattr(policy, n) for n in names if getattr(policy, n, None) is not None}
+
+
 def run(traces: Iterable[Trace], policies: dict[str, dict[str, float]],
         fractions: Sequence[float] = FRACTIONS) -> dict[str, dict]:
     out: dict[str, dict] = {}
@@ -268,8 +278,9 @@ def run(traces: Iterable[Trace], policies: dict[str, dict[str, float]],
         for fraction in fractions:
             capacity = int(ws * fraction)
             for name, params in policies.items():
-                result = Result(name, fraction, capacity, params=params)
-                results.append(simulate(make_policy(name, **params), trace, capacity, result))
+                policy = make_policy(name, **params)
+                result = Result(name, fraction, capacity, params=_settings(policy))
+                results.append(simulate(policy, trace, capacity, result))
             results.append(simulate_min(trace, capacity, Result("MIN", fraction, capacity)))
         out[trace.name] = {
             "description": trace.description,
@@ -318,6 +329,11 @@ def _parse_sets(items: Sequence[str]) -> dict[str, dict[str, float]]:
         except (ValueError, KeyError):
             raise SystemExit(f"--set wants POLICY.PARAM=VALUE with POLICY one of "
                              f"{', '.join(POLICIES)}; got {item!r}") from None
+    for policy, values in params.items():
+        try:
+            make_policy(policy, **values)
+        except (TypeError, ValueError) as exc:
+            raise SystemExit(f"--set {policy}: {exc}") from None
     return params
 
 

@@ -1,4 +1,4 @@
-"""The `bucketfs` command: mount, umount.
+"""The `bucketfs` command: mount, umount, cache stats|clear.
 
 `bucketfs mount` without --foreground starts the daemon as a child process in its own
 session and waits on a pipe until the child reports the mount ready (exit 0) or
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from bucketfs import __version__
 from bucketfs.backends.urls import BadUrl, parse_bucket_url
+from bucketfs.cache.admin import add_cache_commands, run_cache_command
 from bucketfs.config import OPTIONS, ConfigError, load_config
 from bucketfs.runtime import FSTYPE, default_log_file, mounted, state_dir
 
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     umount.add_argument("mountpoint", metavar="MOUNTPOINT")
     umount.add_argument("--timeout", type=float, default=30.0,
                         help="seconds to wait for the daemon to exit (default 30)")
+    add_cache_commands(commands)
     return parser
 
 
@@ -77,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "mount":
         return cmd_mount(args)
+    if args.command == "cache":
+        return run_cache_command(args)
     return cmd_umount(args)
 
 

@@ -78,6 +78,15 @@ def _optional_int(value: object) -> int | None:
     return int(value)
 
 
+def _port(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("expected a port number")
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise ValueError("expected a port number from 0 to 65535")
+    return number
+
+
 def _positive_float(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError("expected a positive number")
@@ -195,6 +204,10 @@ OPTIONS: tuple[Option, ...] = (
            "the kernel's own read-ahead for this mount (its bdi read_ahead_kb); larger "
            "means fewer, larger FUSE reads of big files. Set when mounting as root",
            '"4MiB"'),
+    Option("metrics", "metrics_port", _port, 0,
+           "serve Prometheus metrics on this port (0: off)", "0"),
+    Option("metrics", "metrics_address", _optional_str, "127.0.0.1",
+           "address the metrics endpoint listens on", '"127.0.0.1"'),
     Option("origin", "max_connections", _positive_int, 16,
            "parallel requests to the bucket (worker threads and pooled connections)", "16"),
     Option("origin", "connect_timeout", _positive_float, 10.0,

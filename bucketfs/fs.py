@@ -120,9 +120,9 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         # Offsets index the sorted listing, which stays the same while it is cached.
-        children = await self.namespace.children(fh)
-        for index in range(start_id, len(children)):
-            node = children[index]
+        names, children = await self.namespace.listing(fh)
+        for index in range(start_id, len(names)):
+            node = self.namespace.nodes[children[names[index]]]
             if not pyfuse3.readdir_reply(
                 token, os.fsencode(node.name), self._attributes(node), index + 1
             ):

@@ -9,6 +9,7 @@ Order of work (and of teardown, in reverse):
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import math
@@ -27,12 +28,14 @@ from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.store import ObjectStore
 from bucketfs.backends.urls import BucketUrl
+from bucketfs.cache.admin import save_counters
 from bucketfs.cache.disk import CacheDirError, DiskTier
 from bucketfs.cache.listings import ListingCache
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config
 from bucketfs.fs import Operations
+from bucketfs.metrics import build_registry, start_metrics_server
 from bucketfs.namespace import Namespace
 from bucketfs.prefetch.eviction import EvictionPolicy, make_policy
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
@@ -186,6 +189,13 @@ async def _serve_with(
                          readahead_max=config.readahead_max),
             nursery,
         )
+        if config.metrics_port:
+            try:
+                start_metrics_server(config.metrics_port, config.metrics_address or "127.0.0.1",
+                                     build_registry(cache, store, reader))
+            except OSError as exc:
+                raise MountError(f"cannot serve metrics on {config.metrics_address}:"
+                                 f"{config.metrics_port}: {exc.strerror}") from None
         operations = Operations(
             namespace, reader,
             uid=os.getuid() if config.uid is None else config.uid,
@@ -215,6 +225,8 @@ async def _serve_with(
         log.info("unmounted %s", info.mountpoint)
         # A clean exit keeps what only RAM held, so the next mount finds it on SSD.
         await cache.flush()
+        if disk is not None:
+            save_counters(disk.index, dataclasses.asdict(cache.stats))
         nursery.cancel_scope.cancel()
 
 

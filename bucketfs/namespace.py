@@ -105,11 +105,17 @@ class Namespace:
         return None if inode is None else self.nodes[inode]
 
     async def children(self, inode: int) -> list[Node]:
-        """Entries of a directory, sorted by name (readdir offsets index this list)."""
+        """Entries of a directory, sorted by name."""
+        names, children = await self.listing(inode)
+        return [self.nodes[children[name]] for name in names]
+
+    async def listing(self, inode: int) -> tuple[list[str], dict[str, int]]:
+        """A directory's sorted names (readdir offsets index them) and name -> inode, as
+        they are: readdir of a huge directory must not copy them once per request."""
         directory = self.nodes[inode]
         children = await self._listed(directory)
         assert directory.sorted_names is not None
-        return [self.nodes[children[name]] for name in directory.sorted_names]
+        return directory.sorted_names, children
 
     def update_file(self, node: Node, info: ObjectInfo) -> None:
         """The object changed in the bucket: new opens see the new version."""

@@ -20,8 +20,8 @@ CRF_t = sum over its past references t_i of F(t - t_i), F(x) = (1/p)^(lam * x). 
 reference CRF becomes 1 + CRF_last * F(t - t_last). Because F is exponential, every
 CRF decays by the same factor as time passes, so the order of entries only changes
 when one of them is referenced: the key ln(CRF_last) + lam * ln(p) * t_last is
-time-invariant. Entries sit in a heap on that key and stale heap records are skipped
-(lazy invalidation), so every operation is O(log n) amortised with no scans.
+time-invariant. Entries sit in a heap on that key and outdated heap records are
+skipped (lazy invalidation), so every operation is O(log n) amortised with no scans.
 lam = 0 is LFU; lam * log2(p) >= 1 is LRU (the latest reference outweighs all older
 ones together). What matters is the half-life of a reference, 1 / (lam * log2(p))
 references (`lam_for_half_life`).
@@ -124,7 +124,9 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def export(self, key: Hashable) -> tuple[float, ...]:
-        """The entry's eviction state, to be stored next to it in the index."""
+        """The entry's eviction state, to be stored next to it in the index: a few
+        numbers, opaque to the caller (today: admitted, last reference, count or CRF,
+        gap between its last two references). Raises KeyError for an unknown key."""
 
     @abstractmethod
     def restore(self, key: Hashable, size: int, cost: float, state: tuple[float, ...]) -> None:
@@ -238,7 +240,7 @@ class _RankedPolicy(EvictionPolicy):
         self._maybe_rebuild()
 
     def remove(self, key: Hashable) -> None:
-        # Its heap records go stale and are dropped when they surface or at a rebuild.
+        # Its heap records are now outdated: dropped when they surface or at a rebuild.
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._count_gap(entry, -1)
@@ -328,19 +330,31 @@ class _RankedPolicy(EvictionPolicy):
         return len(self._ready) + len(self._cooling) + len(self._ends) + len(self._recency)
 
     def _maybe_rebuild(self) -> None:
-        # Stale records cost memory only; rebuilding when they outnumber the live ones
-        # keeps the heaps O(n) at an amortised O(1) per operation.
-        if self._records() > 4 * len(self._entries) + 1024:
+        # Outdated records cost memory only; rebuilding when they outnumber the live ones
+        # (one or two per entry) keeps the heaps O(n) at an amortised O(1) per operation.
+        live = 2 if self.stale_after > 0 else 1
+        if self._records() > 2 * live * len(self._entries) + 1024:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        self._ready, self._cooling, self._ends, self._recency = [], [], [], []
+        ready: list[_Record] = []
+        cooling: list[_Record] = []
+        ends: list[tuple[int, int, Hashable]] = []
+        recency: list[tuple[int, int, Hashable]] = []
+        stale = self.stale_after > 0
         for key, entry in self._entries.items():
+            self._seq += 1
+            entry.seq = self._seq
             if entry.cooling:
-                self._seq += 1
-                self._ends.append((entry.admitted, self._seq, key))
-            self._push(key, entry)
-        heapq.heapify(self._ends)
+                cooling.append((self._rank(entry), self._seq, key))
+                ends.append((entry.admitted, self._seq, key))
+            else:
+                ready.append((self._rank(entry), self._seq, key))
+                if stale:
+                    recency.append((entry.last, self._seq, key))
+        for heap in (ready, cooling, ends, recency):
+            heapq.heapify(heap)
+        self._ready, self._cooling, self._ends, self._recency = ready, cooling, ends, recency
 
 
 class LRU(_RankedPolicy):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import trio
-from bucketfs.prefetch.eviction import make_policy
 
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
@@ -18,6 +17,7 @@ from bucketfs.cache.blocks import BlockId, ObjectRef, block_span
 from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
+from bucketfs.prefetch.eviction import make_policy
 from tests.membackend import MemoryBackend
 
 KiB, MiB = 1024, 1024**2
@@ -240,3 +240,29 @@ def test_free_space_floor_is_kept_without_wiping_the_cache(tiny_filesystem: Path
 
     h.run(body)
     assert len(list((directory / "data").rglob("*.blk"))) == on_disk
+
+
+def test_block_evicted_while_its_ssd_write_runs_is_served_from_the_queue(tmp_path,
+                                                                        monkeypatch):
+    """RAM evicts a block whose write-through is still running: the next read takes it
+    from the queue (no second GET, no second write) and the cache keeps working."""
+    objects = {f"b{i}": random.Random(i).randbytes(BLOCK) for i in range(4)}
+    h = Harness(objects, ram=2 * BLOCK, disk=64 * MiB, directory=tmp_path / "cache")
+    original = DiskTier.put
+
+    def slow_put(self, block, data, cost):
+        import time
+
+        time.sleep(0.05)
+        return original(self, block, data, cost)
+
+    monkeypatch.setattr(DiskTier, "put", slow_put)
+
+    async def body(cache):
+        for key in ("b0", "b1", "b2", "b3", "b0"):  # b0 is evicted, then read again
+            assert await cache.get(h.ref(key), 0) == objects[key]
+
+    h.run(body)
+    assert h.backend.calls["get"] == 4
+    h.run(h.read_all)  # everything made it to SSD once
+    assert h.backend.calls["get"] == 4

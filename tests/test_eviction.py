@@ -8,6 +8,7 @@ import random
 from collections.abc import Hashable
 
 import pytest
+
 from bucketfs.prefetch import eviction
 from bucketfs.prefetch.eviction import (
     LFU,
@@ -327,16 +328,20 @@ def test_victims_match_the_definitions(name: str, cooldown: int) -> None:
 # -- persistence ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_export_restore_gives_the_same_victims(name: str) -> None:
+@pytest.mark.parametrize("clock_first", [True, False])
+def test_export_restore_gives_the_same_victims(name: str, clock_first: bool) -> None:
     original = make_policy(name, cooldown=8)
     ops = random_references(4, 2000, 60)
     replay(original, ops)
     clone = make_policy(name, cooldown=8)
     # The index is read back in its own order, and the clock may come first or last.
     keys = sorted(original_keys(original), key=str, reverse=True)
-    clone.restore_clock(original.export_clock())
+    if clock_first:
+        clone.restore_clock(original.export_clock())
     for key in keys:
         clone.restore(key, 100 + key, 0.01 * (1 + key % 3), original.export(key))
+    if not clock_first:
+        clone.restore_clock(original.export_clock())
     assert clone.clock == original.clock and len(clone) == len(original)
     assert all(isinstance(v, float) for v in original.export(keys[0]))
 
@@ -382,6 +387,13 @@ def test_make_policy() -> None:
     policy = make_policy("cost-lrfu", p=3, lam=0.01, cooldown=4, tolerance=0.5)
     assert isinstance(policy, CostAwareLRFU)
     assert (policy.p, policy.lam, policy.cooldown, policy.tolerance) == (3, 0.01, 4, 0.5)
+    assert eviction.lam_for_half_life(2**15) == 2**-15
+    halving = LRFU(lam=eviction.lam_for_half_life(10), cooldown=0)
+    halving.admit("a", 1, 0.0)  # t=1
+    for _ in range(9):
+        halving.admit(object(), 1, 0.0)
+    halving.touch("a")  # t=11, 10 references later: CRF = 1 + 1/2
+    assert halving.export("a")[2] == pytest.approx(1.5)
     with pytest.raises(ValueError, match="lru, lfu, lrfu, cost-lrfu"):
         make_policy("arc")
     with pytest.raises(TypeError):

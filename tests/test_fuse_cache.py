@@ -169,3 +169,36 @@ def test_full_cache_disk_degrades_without_errors_to_readers(counted, tmp_path):
         assert log.count("stops taking writes") == 1
     finally:
         subprocess.run(["umount", "-l", str(tiny)], check=False)
+
+
+def test_metrics_endpoint_and_cache_commands(counted, tmp_path):
+    import urllib.request
+
+    from tests.servers import free_ports
+
+    _, env = counted
+    cache = tmp_path / "cache"
+    (port,) = free_ports(1)
+    with mounted("s3://cached", tmp_path / "mnt", "--addressing-style", "path",
+                 "--cache-dir", str(cache), "--metrics-port", str(port), env=env) as mnt:
+        read_everything(mnt)
+        drop_kernel_cache()
+        read_everything(mnt)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                  for line in text.splitlines() if line.startswith("bucketfs_")}
+        # 4 MiB blocks: one per image and three for the 9 MiB object, each fetched once.
+        assert values["bucketfs_cache_misses_total"] == 123
+        assert values['bucketfs_origin_requests_total{kind="get"}'] == 123
+        # The second pass is all RAM hits (read-ahead adds a few more during the first).
+        assert values['bucketfs_cache_hits_total{tier="ram"}'] >= 123
+        assert values['bucketfs_cache_used_bytes{tier="ssd"}'] == sum(map(len, FILES.values()))
+        busy = bucketfs("cache", "clear", str(cache))
+        assert busy.returncode == 1 and "in use" in busy.stderr
+    stats = bucketfs("cache", "stats", str(cache))
+    assert stats.returncode == 0, stats.stderr
+    assert "123" in stats.stdout  # the entries, and the misses of the one mount so far
+    cleared = bucketfs("cache", "clear", str(cache))
+    assert cleared.returncode == 0, cleared.stderr
+    assert not (cache / "index").exists()

@@ -7,13 +7,13 @@ import random
 
 import pytest
 import trio
-from bucketfs.prefetch.eviction import make_policy
 
 from bucketfs.backends.base import TransientError, VersionChanged
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
+from bucketfs.prefetch.eviction import make_policy
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
 from tests.membackend import MemoryBackend
 

@@ -101,7 +101,11 @@ class DiskTier:
             indexed.add(self._file_name(name[1:]))
             length, _, cost, state = _parse_record(value)
             self.used += length
-            self.policy.restore(name[1:], length, cost, state)
+            try:
+                self.policy.restore(name[1:], length, cost, state)
+            except (ValueError, TypeError, IndexError, OverflowError):
+                # Saved by another policy or version: rank it as if just admitted.
+                self.policy.admit(name[1:], length, cost)
         self._sweep(indexed)
 
     def _sweep(self, indexed: set[str]) -> None:
@@ -189,14 +193,18 @@ class DiskTier:
         entry = self._entry(block)
         if not self.writable or len(data) > self.capacity:
             return False
-        with self.lock:
-            if entry in self.writing or self.index.get(ENTRY + entry) is not None:
-                return True
-            if not self._make_room(len(data)):
-                return False
-            # Counted from now, so concurrent writers cannot overrun the budget together.
-            self.writing.add(entry)
-            self.used += len(data)
+        try:
+            with self.lock:
+                if entry in self.writing or self.index.get(ENTRY + entry) is not None:
+                    return True
+                if not self._make_room(len(data)):
+                    return False
+                # Counted from now, so concurrent writers cannot overrun the budget together.
+                self.writing.add(entry)
+                self.used += len(data)
+        except Exception as exc:  # RocksDB refused a read or a delete
+            self._step_aside(exc)
+            return False
         crc = zlib.crc32(data)
         path = self._path(entry)
         try:

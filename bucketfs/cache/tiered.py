@@ -44,7 +44,8 @@ class CacheStats:
 class _Flight:
     done: trio.Event = field(default_factory=trio.Event)
     data: bytes = b""
-    error: BaseException | None = None
+    error: Exception | None = None
+    cancelled: bool = False
 
 
 class BlockCache:
@@ -69,30 +70,44 @@ class BlockCache:
     async def get(self, obj: ObjectRef, index: int) -> bytes:
         """The bytes of block `index` of that object version."""
         block = BlockId(obj.key, obj.version, index)
-        data = self.ram.get(block)
-        if data is not None:
-            self.stats.ram_hits += 1
-            self.stats.ram_bytes_served += len(data)
-            return data
-        flight = self.inflight.get(block)
-        if flight is not None:
+        while True:
+            data = self.ram.get(block)
+            if data is not None:
+                self.stats.ram_hits += 1
+                self.stats.ram_bytes_served += len(data)
+                return data
+            flight = self.inflight.get(block)
+            if flight is None:
+                break
             self.stats.single_flight_waits += 1
             await flight.done.wait()
             if flight.error is not None:
                 raise flight.error
-            return flight.data
+            if not flight.cancelled:
+                return flight.data
+            # The task that looked it up was cancelled (not failed): look again ourselves.
         flight = self.inflight[block] = _Flight()
         try:
             flight.data = await self._lookup(obj, block)
             return flight.data
-        except BaseException as exc:
+        except Exception as exc:
             flight.error = exc
+            raise
+        except BaseException:
+            flight.cancelled = True
             raise
         finally:
             flight.done.set()
             del self.inflight[block]
 
     async def _lookup(self, obj: ObjectRef, block: BlockId) -> bytes:
+        queued = self.writing.get(block)
+        if queued is not None:  # evicted from RAM while its write to SSD is under way
+            data, cost = queued
+            self.stats.ram_hits += 1
+            self.stats.ram_bytes_served += len(data)
+            self.ram.put(block, data, cost)
+            return data
         if self.disk is not None:
             found = await trio.to_thread.run_sync(self.disk.get, block,
                                                   limiter=self.disk_limiter)
@@ -116,6 +131,8 @@ class BlockCache:
     async def _queue_write(self, block: BlockId, data: bytes, cost: float) -> None:
         while self.queued + len(data) > self.queue_limit:
             await self._room.wait()
+        if block in self.writing:
+            return
         self.queued += len(data)
         self.writing[block] = (data, cost)
         self.nursery.start_soon(self._write_through, block)
@@ -144,6 +161,9 @@ class BlockCache:
         for block, data, cost in waiting:
             await trio.to_thread.run_sync(self.disk.put, block, data, cost,
                                           limiter=self.disk_limiter)
+        # put() skips blocks a write-through task is still writing: wait for those.
+        while self.writing:
+            await self._room.wait()
 
     def close(self) -> None:
         if self.disk is not None:

@@ -1,0 +1,108 @@
+"""Daemon memory at rest with a large cache index:
+
+    python -m bench.index_rss [--entries 1000000]
+
+Writes N block records (the SSD tier's index entries, with eviction state) and a saved
+listing of N objects into a fresh cache directory's RocksDB index, mounts a small
+file:// bucket on that cache directory (the daemon restores every entry's eviction state
+at startup), lists the big directory once through the mount, and reads the daemon's
+VmRSS and VmHWM. No block files are written: the figure is the index's and the policy's
+memory, not the data's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rocksdict import Options, Rdict, WriteBatch
+
+from bucketfs.cache.disk import CLOCK_KEY, ENTRY, FORMAT, FORMAT_KEY, _record
+from bucketfs.cache.listings import LISTING
+from bucketfs.prefetch.eviction import make_policy
+from bucketfs.runtime import state_dir
+
+
+def rss_kib(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1])
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--entries", type=int, default=1_000_000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        bucket = work / "bucket"
+        (bucket / "big").mkdir(parents=True)
+        (bucket / "small.txt").write_text("x")
+        cache = work / "cache"
+        (cache / "data").mkdir(parents=True)
+        namespace = f"file://{bucket}"
+        started = time.perf_counter()
+        index = Rdict(str(cache / "index"), Options(raw_mode=True))
+        index[FORMAT_KEY] = FORMAT
+        index[CLOCK_KEY] = struct.pack("<d", float(args.entries))
+        policy = make_policy()
+        batch = WriteBatch(raw_mode=True)
+        for i in range(args.entries):
+            entry = f"{namespace}\0big/{i:09d}.jpg\0{i:032x}\0{0}".encode()
+            # Eviction state exactly as the default policy exports it.
+            policy.admit(entry, 110_000, 0.01)
+            batch.put(ENTRY + entry, _record(110_000, i, 0.01, policy.export(entry)))
+            policy.remove(entry)
+            if len(batch) >= 50_000:
+                index.write(batch)
+                batch = WriteBatch(raw_mode=True)
+        index.write(batch)
+        listing = {"time": time.time(), "prefixes": [],
+                   "objects": [[f"{i:09d}.jpg", 110_000, 1, f"{i:032x}"]
+                               for i in range(args.entries)]}
+        index[LISTING + namespace.encode() + b"\0big/"] = json.dumps(listing).encode()
+        index[LISTING + namespace.encode() + b"\0"] = json.dumps(
+            {"time": time.time(), "prefixes": ["big/"],
+             "objects": [["small.txt", 1, 1, "v"]]}).encode()
+        index.close()
+        built = time.perf_counter() - started
+
+        mnt = work / "mnt"
+        mnt.mkdir()
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "bucketfs", "mount", f"file://{bucket}", str(mnt),
+                        "--cache-dir", str(cache), "--disk-free-floor", "0"], check=True)
+        mounted_s = time.perf_counter() - started
+        pid = int((state_dir(str(mnt)) / "pid").read_text())
+        after_mount = rss_kib(pid)
+        started = time.perf_counter()
+        names = os.listdir(mnt / "big")
+        listed_s = time.perf_counter() - started
+        time.sleep(1)
+        after_listing = rss_kib(pid)
+        subprocess.run([sys.executable, "-m", "bucketfs", "umount", str(mnt)], check=True)
+    result = {
+        "command": "python -m bench.index_rss " + " ".join(sys.argv[1:]),
+        "entries": args.entries, "names_listed": len(names),
+        "index_build_s": round(built, 1), "mount_s": round(mounted_s, 1),
+        "list_big_dir_s": round(listed_s, 1),
+        "rss_mib_after_mount": round(after_mount["VmRSS"] / 1024),
+        "rss_mib_after_listing": round(after_listing["VmRSS"] / 1024),
+        "peak_rss_mib": round(after_listing["VmHWM"] / 1024),
+    }
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

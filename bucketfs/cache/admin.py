@@ -1,0 +1,289 @@
+"""Offline tools over an SSD cache directory: `bucketfs cache stats DIR` and
+`bucketfs cache clear DIR`.
+
+`stats` opens the index read-only, which RocksDB allows while a mount holds the
+directory, and with its info log sent to a temporary directory, so looking never
+changes the cache. `clear` proves the directory is a bucketfs cache (an `index/` whose
+format key is set) and that no mount uses it (opening the index for writing takes
+RocksDB's LOCK, which fails while a mount holds it), then moves `data/` and `index/`
+aside into one trash directory and deletes that. Were a mount to start in the instant
+between the check and the move, the check is made again on the moved index, and
+everything is moved back if it is held.
+
+The daemon may save its hit and miss counters in the index at unmount
+(`save_counters`); they add up over mounts and `stats` shows them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rocksdict import AccessType, Options, Rdict
+
+from bucketfs.cache.disk import ENTRY, FORMAT_KEY, _parse_record
+from bucketfs.cache.listings import LISTING
+
+COUNTERS_KEY = b"C:counters"
+_TRASH_PREFIX = ".bucketfs-clearing-"
+_ROCKSDICT_CONFIG = "rocksdict-config.json"
+
+
+class CacheAdminError(Exception):
+    """Why a cache directory cannot be inspected or cleared (one line for the user)."""
+
+
+# --- counters saved by the daemon -------------------------------------------------------
+
+
+def save_counters(index: Rdict, stats: dict[str, int]) -> None:
+    """Add one mount's counters (e.g. `dataclasses.asdict(cache.stats)`) to the totals
+    kept in the index. Call it once per mount, before the index is closed."""
+    totals = load_counters(index)
+    for name, value in stats.items():
+        totals[name] = totals.get(name, 0) + value
+    totals["mounts"] = totals.get("mounts", 0) + 1
+    index[COUNTERS_KEY] = json.dumps(totals, sort_keys=True).encode()
+
+
+def load_counters(index: Rdict) -> dict[str, int]:
+    """The totals saved by `save_counters`; empty if none were (or they are unreadable)."""
+    raw = index.get(COUNTERS_KEY)
+    if raw is None:
+        return {}
+    try:
+        totals = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(totals, dict):
+        return {}
+    return {k: v for k, v in totals.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+# --- stats ------------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _raw_mode(index_dir: Path) -> bool:
+    try:
+        config = json.loads((index_dir / _ROCKSDICT_CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("raw_mode") is True
+
+
+@contextmanager
+def _open_read_only(directory: Path) -> Iterator[Rdict]:
+    """The cache's index, read-only (no LOCK taken, nothing written to the directory)."""
+    # rocksdict (re)writes its config file in whatever it opens, even read-only and even
+    # if the open then fails: open only what a DiskTier made, a raw-mode rocksdict DB.
+    index_dir = directory / "index"
+    if not (index_dir / "CURRENT").is_file() or not _raw_mode(index_dir):
+        raise CacheAdminError(f"{directory} is not a bucketfs cache directory (no index)")
+    with tempfile.TemporaryDirectory(prefix="bucketfs-admin-") as log_dir:
+        options = Options(raw_mode=True)
+        options.set_db_log_dir(log_dir)
+        try:
+            index = Rdict(str(index_dir), options,
+                          access_type=AccessType.read_only())
+        except Exception as exc:  # rocksdict raises plain Exception
+            raise CacheAdminError(f"{directory} is not a bucketfs cache directory "
+                                  f"({_first_line(exc)})") from None
+        try:
+            if index.get(FORMAT_KEY) is None:
+                raise CacheAdminError(f"{directory} is not a bucketfs cache directory "
+                                      "(its index has no format key)")
+            yield index
+        finally:
+            index.close()
+
+
+def _tree_size(path: Path) -> tuple[int, int]:
+    """(number of files, their bytes) under `path`; (0, 0) if it does not exist."""
+    files = size = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                size += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:  # a mount evicted it while we walked
+                continue
+            files += 1
+    return files, size
+
+
+def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a cache directory holds. Works while a mount uses it.
+
+    Keys: `directory`, `entries` and `bytes` (indexed blocks and their data bytes),
+    `block_files` and `file_bytes` (block files under data/, headers included),
+    `index_bytes` (the RocksDB index on disk), `listings` (directory listings kept for
+    remounts), `counters` (the totals saved by `save_counters`, {} if none)."""
+    path = Path(directory)
+    with _open_read_only(path) as index:
+        entries = data_bytes = 0
+        for key, value in index.items(from_key=ENTRY):
+            if not key.startswith(ENTRY):
+                break
+            entries += 1
+            data_bytes += _parse_record(value)[0]
+        listings = 0
+        for key in index.keys(from_key=LISTING):
+            if not key.startswith(LISTING):
+                break
+            listings += 1
+        counters = load_counters(index)
+    block_files = file_bytes = 0
+    if (path / "data").is_dir():
+        for sub in (path / "data").iterdir():
+            if not sub.is_dir():
+                continue
+            for block in sub.iterdir():
+                if block.name.endswith(".blk"):
+                    try:
+                        file_bytes += block.lstat().st_size
+                    except FileNotFoundError:
+                        continue
+                    block_files += 1
+    return {
+        "directory": str(path),
+        "entries": entries,
+        "bytes": data_bytes,
+        "block_files": block_files,
+        "file_bytes": file_bytes,
+        "index_bytes": _tree_size(path / "index")[1],
+        "listings": listings,
+        "counters": counters,
+    }
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_stats(d: dict[str, Any]) -> str:
+    """`cache_stats`' result as a short table for people."""
+    rows = [
+        ("directory", d["directory"]),
+        ("entries", f"{d['entries']:,}"),
+        ("cached data", _human(d["bytes"])),
+        ("block files", f"{d['block_files']:,} ({_human(d['file_bytes'])})"),
+        ("index", f"{_human(d['index_bytes'])}, {d['listings']:,} directory listings"),
+    ]
+    counters = d.get("counters") or {}
+    ram, ssd = counters.get("ram_hits", 0), counters.get("disk_hits", 0)
+    lookups = ram + ssd + counters.get("misses", 0)
+    if lookups:
+        mounts = counters.get("mounts", 0)
+        rows.append(("lookups", f"{lookups:,} over {mounts} mount{'s' * (mounts != 1)}"))
+        rows.append(("hit rate ram", f"{ram / lookups:.1%}"))
+        rows.append(("hit rate ssd", f"{ssd / lookups:.1%}"))
+        rows.append(("origin", f"{counters.get('misses', 0) / lookups:.1%} of lookups, "
+                               f"{_human(counters.get('origin_bytes', 0))}"))
+    else:
+        rows.append(("hit rate", "no counters saved yet"))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+# --- clear ------------------------------------------------------------------------------
+
+
+def _check_not_in_use(index_dir: Path, directory: Path) -> None:
+    """Open the index for writing and close it again: fails while a mount holds LOCK."""
+    with tempfile.TemporaryDirectory(prefix="bucketfs-admin-") as log_dir:
+        options = Options(raw_mode=True)
+        options.set_db_log_dir(log_dir)
+        try:
+            Rdict(str(index_dir), options).close()
+        except Exception as exc:  # rocksdict raises plain Exception
+            reason = _first_line(exc)
+            if "lock" in reason.lower():
+                raise CacheAdminError(f"{directory} is in use by a mount; unmount it "
+                                      "first") from None
+            raise CacheAdminError(f"cannot clear {directory}: {reason}") from None
+
+
+def clear_cache(directory: str | os.PathLike[str]) -> int:
+    """Delete every cached block and the index of a cache directory that no mount uses;
+    the bytes freed. The directory itself stays."""
+    path = Path(directory)
+    with _open_read_only(path):
+        pass  # proves it is a bucketfs cache
+    _check_not_in_use(path / "index", path)
+    trash = Path(tempfile.mkdtemp(prefix=_TRASH_PREFIX, dir=path))
+    moved: list[str] = []
+    try:
+        # data/ first: interrupted here, the index still names the cache, so clearing
+        # again works; a mount would only find its entries missing (misses).
+        for name in ("data", "index"):
+            if (path / name).exists():
+                os.rename(path / name, trash / name)
+                moved.append(name)
+        _check_not_in_use(trash / "index", path)  # a mount may have started meanwhile
+    except BaseException:
+        for name in reversed(moved):
+            os.rename(trash / name, path / name)
+        trash.rmdir()
+        raise
+    freed = _tree_size(trash)[1]
+    shutil.rmtree(trash)
+    for leftover in path.glob(_TRASH_PREFIX + "*"):  # from an earlier, interrupted clear
+        freed += _tree_size(leftover)[1]
+        shutil.rmtree(leftover, ignore_errors=True)
+    return freed
+
+
+# --- command line -----------------------------------------------------------------------
+
+
+def add_cache_commands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add `cache stats DIR` and `cache clear DIR` to the `bucketfs` command."""
+    cache = subparsers.add_parser(
+        "cache", help="inspect or clear an SSD cache directory",
+        description="Inspect or clear the SSD cache directory of a mount (cache.cache_dir).",
+    )
+    commands = cache.add_subparsers(dest="cache_command", required=True, metavar="COMMAND")
+    stats = commands.add_parser(
+        "stats", help="show what a cache directory holds",
+        description="Show the entries, bytes and saved hit rates of DIR (works while mounted).",
+    )
+    stats.add_argument("directory", metavar="DIR")
+    clear = commands.add_parser(
+        "clear", help="delete everything in a cache directory",
+        description="Delete the cached blocks and the index in DIR. Refuses if DIR is not "
+                    "a bucketfs cache or a mount is using it.",
+    )
+    clear.add_argument("directory", metavar="DIR")
+
+
+def run_cache_command(args: argparse.Namespace) -> int:
+    """Run `bucketfs cache ...`: 0, or 1 after a one-line error on stderr."""
+    try:
+        if args.cache_command == "stats":
+            print(format_stats(cache_stats(args.directory)))
+        else:
+            freed = clear_cache(args.directory)
+            print(f"cleared {args.directory}: freed {_human(freed)}")
+    except (CacheAdminError, OSError) as exc:
+        if isinstance(exc, CacheAdminError):
+            message = str(exc)
+        else:
+            message = f"{exc.filename or args.directory}: {exc.strerror or exc}"
+        print(f"bucketfs: error: {message}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,180 @@
+"""Every Prometheus metric of a mount, named in this one file.
+
+Nothing is counted here: the cache, the object store and the reader keep plain integer
+counters (and the store a fixed-bucket latency histogram) as they work, and
+`MountCollector` reads them when Prometheus scrapes. So metrics add no work to the read
+path, and a mount without `--metrics-port` pays nothing for them.
+
+A scrape runs in the HTTP server's thread while the trio thread updates the counters.
+Reading an int attribute is atomic, so each value is one the counter really had; values
+read a moment apart may be a request apart, which a scrape tolerates.
+
+Metrics (labels in braces):
+
+  bucketfs_cache_hits_total{tier}             lookups served by a tier (ram, ssd)
+  bucketfs_cache_misses_total                 lookups fetched from the origin
+  bucketfs_cache_served_bytes_total{tier}     bytes served from a tier (ram, ssd)
+  bucketfs_cache_single_flight_waits_total    lookups that waited for another's fetch
+  bucketfs_cache_evictions_total{tier}        entries evicted from a tier
+  bucketfs_cache_used_bytes{tier}             bytes held by a tier
+  bucketfs_cache_capacity_bytes{tier}         byte budget of a tier
+  bucketfs_cache_ssd_writes_total             blocks written through to the SSD tier
+  bucketfs_cache_ssd_writable                 1 while the SSD tier takes writes, else 0
+  bucketfs_cache_write_queue_bytes            fetched bytes waiting to be written to SSD
+  bucketfs_origin_requests_total{kind}        requests sent (get, head, list), retries included
+  bucketfs_origin_retries_total               requests retried after a transient error
+  bucketfs_origin_bytes_total                 bytes fetched from the origin
+  bucketfs_origin_request_seconds{kind}       histogram: time of one request in its worker
+                                              thread (waiting for a connection slot excluded)
+  bucketfs_readahead_prefetches_total         blocks read ahead
+  bucketfs_readahead_inflight_bytes           bytes read-ahead has in flight now
+  bucketfs_readahead_budget_bytes             most bytes read-ahead may have in flight
+
+The ssd-tier series exist only when the mount has an SSD tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
+
+from bucketfs.backends.store import LatencyHistogram, ObjectStore
+from bucketfs.cache.tiered import BlockCache
+from bucketfs.reader import Reader
+
+#: Where the metrics endpoint listens unless told otherwise: this host only.
+DEFAULT_ADDRESS = "127.0.0.1"
+
+PREFIX = "bucketfs_"
+REQUEST_KINDS = ("get", "head", "list")
+
+
+def _counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, labels=labels)
+
+
+def _gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+
+
+def _cumulative(histogram: LatencyHistogram) -> list[tuple[str, float]]:
+    """Cumulative buckets in Prometheus form; the +Inf one is the count."""
+    counts = list(histogram.counts)  # one copy, so the buckets and the count agree
+    buckets, total = [], 0
+    for bound, count in zip((*histogram.bounds, float("inf")), counts, strict=True):
+        total += count
+        buckets.append((floatToGoString(bound), total))
+    return buckets
+
+
+class MountCollector(Collector):
+    """Reads the counters of one mount's cache, object store and reader at scrape time."""
+
+    def __init__(self, cache: BlockCache, store: ObjectStore, reader: Reader) -> None:
+        self.cache = cache
+        self.store = store
+        self.reader = reader
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._cache()
+        yield from self._origin()
+        yield from self._readahead()
+
+    def _cache(self) -> Iterator[Metric]:
+        stats, ram, disk = self.cache.stats, self.cache.ram, self.cache.disk
+        hits = _counter("cache_hits_total", "Block lookups served by a cache tier.", ("tier",))
+        served = _counter("cache_served_bytes_total", "Bytes served from a cache tier.",
+                          ("tier",))
+        evictions = _counter("cache_evictions_total", "Entries evicted from a cache tier.",
+                             ("tier",))
+        used = _gauge("cache_used_bytes", "Bytes held by a cache tier.", ("tier",))
+        capacity = _gauge("cache_capacity_bytes", "Byte budget of a cache tier.", ("tier",))
+        hits.add_metric(["ram"], stats.ram_hits)
+        served.add_metric(["ram"], stats.ram_bytes_served)
+        evictions.add_metric(["ram"], ram.evictions)
+        used.add_metric(["ram"], ram.used)
+        capacity.add_metric(["ram"], ram.capacity)
+        if disk is not None:
+            hits.add_metric(["ssd"], stats.disk_hits)
+            served.add_metric(["ssd"], stats.disk_bytes_served)
+            evictions.add_metric(["ssd"], disk.evictions)
+            used.add_metric(["ssd"], disk.used)
+            capacity.add_metric(["ssd"], disk.capacity)
+        yield from (hits, served, evictions, used, capacity)
+        yield CounterMetricFamily(
+            PREFIX + "cache_misses_total", "Block lookups fetched from the origin.",
+            value=stats.misses)
+        yield CounterMetricFamily(
+            PREFIX + "cache_single_flight_waits_total",
+            "Block lookups that waited for another reader's fetch of the same block.",
+            value=stats.single_flight_waits)
+        if disk is not None:
+            yield CounterMetricFamily(
+                PREFIX + "cache_ssd_writes_total", "Blocks written through to the SSD tier.",
+                value=stats.disk_writes)
+            yield GaugeMetricFamily(
+                PREFIX + "cache_ssd_writable",
+                "1 while the SSD tier takes writes; 0 once it stepped aside (full, read-only).",
+                value=int(disk.writable))
+            yield GaugeMetricFamily(
+                PREFIX + "cache_write_queue_bytes",
+                "Fetched bytes waiting to be written through to the SSD tier.",
+                value=self.cache.queued)
+
+    def _origin(self) -> Iterator[Metric]:
+        counts = self.store.counts
+        requests = _counter("origin_requests_total",
+                            "Requests sent to the origin, retries included.", ("kind",))
+        for kind in REQUEST_KINDS:
+            requests.add_metric([kind], getattr(counts, kind))
+        yield requests
+        yield CounterMetricFamily(
+            PREFIX + "origin_retries_total",
+            "Origin requests retried after a transient error.", value=counts.retries)
+        yield CounterMetricFamily(
+            PREFIX + "origin_bytes_total", "Bytes fetched from the origin.",
+            value=counts.bytes_fetched)
+        latency = HistogramMetricFamily(
+            PREFIX + "origin_request_seconds",
+            "Time of one origin request in its worker thread (waiting for a slot excluded).",
+            labels=("kind",))
+        for kind in REQUEST_KINDS:
+            histogram = self.store.latency[kind]
+            latency.add_metric([kind], _cumulative(histogram), histogram.sum)
+        yield latency
+
+    def _readahead(self) -> Iterator[Metric]:
+        budget = self.reader.budget
+        yield CounterMetricFamily(
+            PREFIX + "readahead_prefetches_total", "Blocks read ahead.",
+            value=self.reader.prefetches)
+        yield GaugeMetricFamily(
+            PREFIX + "readahead_inflight_bytes", "Bytes read-ahead has in flight now.",
+            value=budget.used)
+        yield GaugeMetricFamily(
+            PREFIX + "readahead_budget_bytes",
+            "Most bytes read-ahead may have in flight across all open files.",
+            value=budget.limit)
+
+
+def build_registry(cache: BlockCache, store: ObjectStore, reader: Reader) -> CollectorRegistry:
+    """A fresh registry holding only this mount's metrics (never the process-global one)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(MountCollector(cache, store, reader))
+    return registry
+
+
+def start_metrics_server(port: int, address: str, registry: CollectorRegistry) -> None:
+    """Serve `registry` on http://address:port/metrics from a daemon thread.
+
+    Raises OSError if the address cannot be bound (port taken, address not local)."""
+    start_http_server(port, addr=address, registry=registry)
