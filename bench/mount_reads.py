@@ -65,6 +65,13 @@ def imagefolder_epoch(root: Path, workers: int) -> dict[str, float]:
     return {"seconds": seconds, "images_per_s": count / seconds}
 
 
+def drop_page_cache() -> None:
+    """So the next pass reaches the daemon (or the disk) instead of the kernel page cache."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
 def peak_rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -128,10 +135,15 @@ def main() -> int:
             mnt = work / "mnt"
             mnt.mkdir()
 
-            def mount() -> int:
+            def mount(*extra: str) -> int:
                 bucketfs("mount", "s3://bench", str(mnt), "--addressing-style", "path",
-                         "--log-file", str(work / "mount.log"), env=env)
+                         "--log-file", str(work / "mount.log"), *extra, env=env)
                 return int((state_dir(str(mnt)) / "pid").read_text())
+
+            def origin_requests() -> dict[str, int]:
+                lists = proxy.count("GET", "list-type=2")
+                return {"GET": proxy.count("GET") - lists, "HEAD": proxy.count("HEAD"),
+                        "LIST": lists}
 
             # Raw reads, cold then warm (kernel page cache), on a fresh mount.
             proxy.clear()
@@ -141,22 +153,33 @@ def main() -> int:
             results["raw_mount_warm_8_threads_s"], _ = timed(read_files, paths)
             results["large_mount_cold_MBps"] = (
                 args.large_mib * MiB / timed(read_files, [mnt / "large.bin"], 1)[0] / 1e6)
-            results["requests_raw_and_large"] = {
-                m: proxy.count(m) for m in ("GET", "HEAD")} | {
-                "LIST": proxy.count("GET", "list-type=2")}
+            results["requests_raw_and_large"] = origin_requests()
             results["daemon_peak_rss_mib"] = peak_rss_mib(pid)
             bucketfs("umount", str(mnt), env=env)
 
             # The training-like loop: local disk (after one epoch that warms the page cache
-            # and the interpreter's imports), then the mount cold and warm.
+            # and the interpreter's imports; then with the page cache dropped), then the
+            # mount: cold, warm from the kernel page cache, warm from the daemon's RAM
+            # tier (page cache dropped), and after a remount from the SSD tier.
             imagefolder_epoch(local, args.workers)
             results["epoch_local"] = imagefolder_epoch(local, args.workers)
+            drop_page_cache()
+            results["epoch_local_page_cache_dropped"] = imagefolder_epoch(local, args.workers)
+            cache = ("--cache-dir", str(work / "cache"), "--disk-free-floor", "0")
             proxy.clear()
-            mount()
+            mount(*cache)
             results["epoch_mount_cold"] = imagefolder_epoch(mnt / "train", args.workers)
-            results["epoch_mount_warm"] = imagefolder_epoch(mnt / "train", args.workers)
-            results["requests_epochs"] = {"GET": proxy.count("GET") - proxy.count(
-                "GET", "list-type=2"), "LIST": proxy.count("GET", "list-type=2")}
+            results["epoch_mount_page_cache"] = imagefolder_epoch(mnt / "train", args.workers)
+            drop_page_cache()
+            results["epoch_mount_ram_tier"] = imagefolder_epoch(mnt / "train", args.workers)
+            results["requests_epochs"] = origin_requests()
+            bucketfs("umount", str(mnt), env=env)
+            drop_page_cache()
+            proxy.clear()
+            mount(*cache)
+            results["epoch_mount_ssd_tier_after_remount"] = imagefolder_epoch(
+                mnt / "train", args.workers)
+            results["requests_epoch_after_remount"] = origin_requests()
             bucketfs("umount", str(mnt), env=env)
 
     out = Path(args.out)
