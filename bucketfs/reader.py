@@ -76,9 +76,6 @@ class Reader:
     def open(self, key: str, version: str, size: int) -> OpenFile:
         return OpenFile(ObjectRef(key, version, size), self.settings)
 
-    def close(self, handle: OpenFile) -> None:
-        pass  # blocks in flight finish into the cache; nothing is held per handle
-
     async def read(self, handle: OpenFile, offset: int, length: int) -> bytes:
         obj = handle.obj
         end = min(offset + length, obj.size)

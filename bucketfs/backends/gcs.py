@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import UTC, datetime, timedelta
 from typing import NoReturn
-from urllib.parse import urlsplit, urlunsplit
 
 import google.auth
 import requests
@@ -34,14 +32,13 @@ from bucketfs.backends.base import (
     Unreachable,
     VersionChanged,
 )
+from bucketfs.backends.common import TRANSIENT_STATUS, mtime_ns, one_line, public_endpoint
 from bucketfs.backends.settings import BackendSettings
 
 log = logging.getLogger(__name__)
 
 _READ_ONLY_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
 _LIST_FIELDS = "items(name,size,generation,updated),prefixes,nextPageToken"
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Everything a request can raise that is a failure of the service or the network, not a bug.
 _FAILURES = (
     api_exceptions.GoogleAPICallError,
@@ -54,19 +51,7 @@ _FAILURES = (
 )
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())[:400]
 
-
-def _public(url: str) -> str:
-    """The endpoint for messages, without any user:password@ a user may have put in it."""
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-
-
-def _mtime_ns(dt: datetime | None) -> int:
-    # Integer arithmetic: a float timestamp loses nanoseconds.
-    return 0 if dt is None else (dt - _EPOCH) // timedelta(microseconds=1) * 1000
 
 
 def _credentials(bucket: str, settings: BackendSettings) -> tuple[Credentials, str]:
@@ -100,7 +85,7 @@ class GcsBackend:
         # truth test of this attribute.
         self._client._bucket_metadata_cache = None
         self._bucket = self._client.bucket(bucket)
-        self.endpoint = _public(self._client.api_endpoint)
+        self.endpoint = public_endpoint(self._client.api_endpoint)
 
     def close(self) -> None:
         self._client.close()
@@ -173,7 +158,7 @@ class GcsBackend:
         return ObjectInfo(
             key=blob.name,
             size=blob.size or 0,
-            mtime_ns=_mtime_ns(blob.updated),
+            mtime_ns=mtime_ns(blob.updated),
             version=str(blob.generation),
         )
 
@@ -183,7 +168,7 @@ class GcsBackend:
     def _raise(self, exc: Exception, key: str | None, missing: type[BackendError]) -> NoReturn:
         """Translate an SDK error; `missing` is what a 404 means for this call."""
         kind, reason = _classify(exc, missing)
-        raise kind(f"{self._where(key)} via {self.endpoint}: {_one_line(reason)}") from None
+        raise kind(f"{self._where(key)} via {self.endpoint}: {one_line(reason)}") from None
 
 
 def _classify(exc: Exception, missing: type[BackendError]) -> tuple[type[BackendError], str]:
@@ -201,7 +186,7 @@ def _classify(exc: Exception, missing: type[BackendError]) -> tuple[type[Backend
             return AccessDenied, f"access denied ({detail})"
         if isinstance(exc, api_exceptions.PreconditionFailed):
             return VersionChanged, f"object changed ({detail})"
-        if status in _TRANSIENT_STATUS:
+        if status in TRANSIENT_STATUS:
             return TransientError, f"temporary failure ({detail})"
         return BackendError, f"request failed ({detail})"
     if isinstance(exc, auth_exceptions.TransportError):

@@ -7,9 +7,7 @@ that retries, so every attempt here is exactly one HTTP request.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
-from urllib.parse import urlsplit, urlunsplit
 
 import boto3
 from botocore.config import Config
@@ -37,9 +35,8 @@ from bucketfs.backends.base import (
     Unreachable,
     VersionChanged,
 )
+from bucketfs.backends.common import TRANSIENT_STATUS, mtime_ns, one_line, public_endpoint
 from bucketfs.backends.settings import BackendSettings
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 _DENIED_CODES = frozenset(
     {
@@ -66,7 +63,6 @@ _TRANSIENT_CODES = frozenset(
         "TooManyRequestsException",
     }
 )
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _CREDENTIAL_ERRORS = (
     NoCredentialsError,
     PartialCredentialsError,
@@ -75,19 +71,7 @@ _CREDENTIAL_ERRORS = (
 )
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())[:400]
 
-
-def _public(url: str) -> str:
-    """The endpoint for messages, without any user:password@ a user may have put in it."""
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-
-
-def _mtime_ns(dt: datetime) -> int:
-    # Integer arithmetic: a float timestamp loses nanoseconds.
-    return (dt - _EPOCH) // timedelta(microseconds=1) * 1000
 
 
 def _etag(value: str) -> str:
@@ -115,8 +99,8 @@ class S3Backend:
             )
         except BotoCoreError as exc:
             kind, reason = _classify(exc, BackendError)
-            raise kind(f"{self.url}: {_one_line(reason)}") from None
-        self.endpoint = _public(self._client.meta.endpoint_url)
+            raise kind(f"{self.url}: {one_line(reason)}") from None
+        self.endpoint = public_endpoint(self._client.meta.endpoint_url)
 
     def close(self) -> None:
         self._client.close()
@@ -145,7 +129,7 @@ class S3Backend:
                 ObjectInfo(
                     key=o["Key"],
                     size=o["Size"],
-                    mtime_ns=_mtime_ns(o["LastModified"]),
+                    mtime_ns=mtime_ns(o["LastModified"]),
                     version=_etag(o["ETag"]),
                 )
                 for o in resp.get("Contents", ())
@@ -163,7 +147,7 @@ class S3Backend:
         return ObjectInfo(
             key=key,
             size=resp["ContentLength"],
-            mtime_ns=_mtime_ns(resp["LastModified"]),
+            mtime_ns=mtime_ns(resp["LastModified"]),
             version=_etag(resp["ETag"]),
         )
 
@@ -201,7 +185,7 @@ class S3Backend:
     ) -> NoReturn:
         """Translate an SDK error; `missing` is what a 404 means for this call."""
         kind, reason = _classify(exc, missing)
-        raise kind(f"{self._where(key)} via {self.endpoint}: {_one_line(reason)}") from None
+        raise kind(f"{self._where(key)} via {self.endpoint}: {one_line(reason)}") from None
 
 
 def _classify(
@@ -222,7 +206,7 @@ def _classify(
             return VersionChanged, f"object changed ({detail})"
         if code in ("NoSuchKey", "NotFound") or status == 404:
             return missing, f"not found ({detail})"
-        if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS:
+        if code in _TRANSIENT_CODES or status in TRANSIENT_STATUS:
             return TransientError, f"temporary failure ({detail})"
         return BackendError, f"request failed ({detail})"
     name = type(exc).__name__

@@ -164,7 +164,3 @@ class BlockCache:
         # put() skips blocks a write-through task is still writing: wait for those.
         while self.writing:
             await self._room.wait()
-
-    def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
