@@ -29,7 +29,7 @@ from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.store import ObjectStore
 from bucketfs.backends.urls import BucketUrl
 from bucketfs.cache.admin import save_counters
-from bucketfs.cache.disk import CacheDirError, DiskTier
+from bucketfs.cache.disk import CacheDirError, CacheDirUnwritable, DiskTier
 from bucketfs.cache.listings import ListingCache
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
@@ -134,9 +134,10 @@ async def _serve(
     retry = RetryPolicy(config.retry_attempts, config.retry_base_delay, config.retry_max_delay)
     store = ObjectStore(backend, max_workers=config.max_connections, retry=retry,
                         page_size=config.list_page_size)
-    disk = open_disk_tier(info, config)
+    warnings: list[str] = []
+    disk = open_disk_tier(info, config, warnings)
     try:
-        await _serve_with(info, backend, store, disk, ready)
+        await _serve_with(info, backend, store, disk, ready, warnings)
     finally:
         if disk is not None:
             disk.close()
@@ -161,7 +162,7 @@ async def _check_access(backend: Backend, saved: ListingCache | None) -> None:
 
 async def _serve_with(
     info: MountInfo, backend: Backend, store: ObjectStore, disk: DiskTier | None,
-    ready: Callable[[list[str]], None],
+    ready: Callable[[list[str]], None], warnings: list[str],
 ) -> None:
     config = info.config
     saved = None
@@ -172,7 +173,6 @@ async def _serve_with(
     await _check_access(backend, saved)
     namespace = Namespace(store, info.url.prefix, metadata_ttl=config.metadata_ttl,
                           saved=saved)
-    warnings = []
     try:
         if not await namespace.children(namespace.root.inode):
             warnings.append(f"{info.url} names no objects: the mount is empty")
@@ -234,7 +234,9 @@ def eviction_policy(config: Config) -> EvictionPolicy:
     return make_policy(config.eviction, cooldown=config.eviction_cooldown)
 
 
-def open_disk_tier(info: MountInfo, config: Config) -> DiskTier | None:
+def open_disk_tier(info: MountInfo, config: Config, warnings: list[str]) -> DiskTier | None:
+    """The SSD tier, or None: without a cache_dir, or (with a warning) when the directory
+    cannot take writes. A directory another mount holds is an error."""
     if config.cache_dir is None:
         return None
     try:
@@ -242,6 +244,9 @@ def open_disk_tier(info: MountInfo, config: Config) -> DiskTier | None:
             config.cache_dir, config.disk_cache, eviction_policy(config),
             namespace=info.url.bucket_url, free_floor=config.disk_free_floor,
         )
+    except CacheDirUnwritable as exc:
+        warnings.append(f"{exc}; caching in RAM only")
+        return None
     except CacheDirError as exc:
         raise MountError(str(exc)) from None
 

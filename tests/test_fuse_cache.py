@@ -202,3 +202,23 @@ def test_metrics_endpoint_and_cache_commands(counted, tmp_path):
     cleared = bucketfs("cache", "clear", str(cache))
     assert cleared.returncode == 0, cleared.stderr
     assert not (cache / "index").exists()
+
+
+def test_unwritable_cache_dir_means_ram_only_with_a_warning(counted, tmp_path):
+    _, env = counted
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)],
+                   check=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        result = bucketfs("mount", "s3://cached", str(mnt), "--addressing-style", "path",
+                          "--cache-dir", str(readonly / "cache"), env=env)
+        assert result.returncode == 0, result.stderr
+        assert "caching in RAM only" in result.stderr
+        read_everything(mnt)
+    finally:
+        bucketfs("umount", str(mnt))
+        force_unmount(mnt)
+        subprocess.run(["umount", "-l", str(readonly)], check=False)

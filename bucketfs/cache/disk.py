@@ -46,6 +46,11 @@ class CacheDirError(Exception):
     """The cache directory cannot be used at all (one line for the user)."""
 
 
+class CacheDirUnwritable(CacheDirError):
+    """The directory cannot take writes (permissions, read-only, full): the mount goes on
+    with a RAM-only cache."""
+
+
 def _record(length: int, crc: int, cost: float, state: tuple[float, ...]) -> bytes:
     return _RECORD.pack(length, crc, cost) + struct.pack(f"<{len(state)}d", *state)
 
@@ -80,7 +85,11 @@ class DiskTier:
             self.index = Rdict(str(self.directory / "index"), Options(raw_mode=True))
         except Exception as exc:  # rocksdict raises its own exception types
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise CacheDirError(f"cannot use cache directory {self.directory}: {reason}") from None
+            message = f"cannot use cache directory {self.directory}: {reason}"
+            unwritable = (isinstance(exc, OSError) and exc.errno in _STEP_ASIDE) or any(
+                s in reason for s in ("Permission denied", "Read-only file system",
+                                      "No space left"))
+            raise (CacheDirUnwritable if unwritable else CacheDirError)(message) from None
         self._load()
 
     # --- startup ------------------------------------------------------------------------
