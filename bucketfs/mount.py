@@ -1,10 +1,14 @@
 """Mounting: checks that fail early with one clear line, then the serving loop.
 
-Order of work (and of teardown, in reverse):
+Order of work:
   1. check the mountpoint and /dev/fuse (nothing started yet);
-  2. build the backend and prove the bucket can be listed;
-  3. pyfuse3.init mounts; from here on every exit path unmounts;
-  4. tell the waiting parent we are ready; serve until unmounted or signalled.
+  2. build the backend; open the SSD tier (RAM only, with a warning, if unwritable);
+  3. prove access: a LIST, or with listings saved by an earlier mount a HEAD of an
+     object they name; list the root;
+  4. pyfuse3.init mounts; from here on every exit path unmounts;
+  5. tell the waiting parent we are ready; serve until unmounted or signalled.
+Teardown: unmount, flush what only RAM (or the write queue) holds to SSD, save the
+cache counters, close the index.
 """
 
 from __future__ import annotations
