@@ -114,6 +114,12 @@ def _optional_str(value: object) -> str | None:
     return value
 
 
+def _nonempty_str(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected a non-empty string")
+    return value
+
+
 def _choice(*choices: str) -> Callable[[object], str]:
     def parse(value: object) -> str:
         if value not in choices:
@@ -206,7 +212,7 @@ OPTIONS: tuple[Option, ...] = (
            '"4MiB"'),
     Option("metrics", "metrics_port", _port, 0,
            "serve Prometheus metrics on this port (0: off)", "0"),
-    Option("metrics", "metrics_address", _optional_str, "127.0.0.1",
+    Option("metrics", "metrics_address", _nonempty_str, "127.0.0.1",
            "address the metrics endpoint listens on", '"127.0.0.1"'),
     Option("origin", "max_connections", _positive_int, 16,
            "parallel requests to the bucket (worker threads and pooled connections)", "16"),

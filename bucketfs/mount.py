@@ -189,13 +189,12 @@ async def _serve_with(
         )
         reader = Reader(
             cache, ByteBudget(config.readahead_budget),
-            ReadSettings(readahead_initial=min(1024**2, config.readahead_max),
-                         readahead_max=config.readahead_max),
+            ReadSettings(readahead_max=config.readahead_max),
             nursery,
         )
         if config.metrics_port:
             try:
-                start_metrics_server(config.metrics_port, config.metrics_address or "127.0.0.1",
+                start_metrics_server(config.metrics_port, config.metrics_address,
                                      build_registry(cache, store, reader))
             except OSError as exc:
                 raise MountError(f"cannot serve metrics on {config.metrics_address}:"
