@@ -11,6 +11,7 @@ import logging
 import os
 import stat
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import pyfuse3
@@ -56,6 +57,15 @@ def _read_only(name: str) -> Callable[..., Awaitable[None]]:
     return handler
 
 
+@dataclass(slots=True)
+class _DirCursor:
+    """An open directory: where the last readdir stopped."""
+
+    inode: int
+    offset: int = 0
+    last_name: str = ""
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
@@ -71,6 +81,7 @@ class Operations(pyfuse3.Operations):
         self.gid = gid
         self.kernel_ttl = kernel_ttl
         self.handles: dict[int, tuple[Node, OpenFile]] = {}
+        self.dir_handles: dict[int, _DirCursor] = {}
         self._next_fh = 1
 
     def _attributes(self, node: Node) -> pyfuse3.EntryAttributes:
@@ -115,21 +126,34 @@ class Operations(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         if not self.namespace.get(inode).is_dir:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
-        return inode
+        fh = self._next_fh
+        self._next_fh += 1
+        self.dir_handles[fh] = _DirCursor(inode)
+        return fh
 
     @fuse_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        # Offsets index the sorted listing, which stays the same while it is cached.
-        names, children = await self.namespace.listing(fh)
-        for index in range(start_id, len(names)):
-            node = self.namespace.nodes[children[names[index]]]
+        # An offset counts the entries before it in name order. A readdir that goes on
+        # where the last one stopped resumes after the last name sent (a seek in the
+        # index); any other offset (a seekdir) counts entries from the start.
+        cursor = self.dir_handles[fh]
+        resume = start_id > 0 and start_id == cursor.offset
+        skip = 0 if resume else start_id
+        offset = start_id
+        for node in await self.namespace.entries(cursor.inode,
+                                                 cursor.last_name if resume else None):
+            if skip:
+                skip -= 1
+                continue
             if not pyfuse3.readdir_reply(
-                token, os.fsencode(node.name), self._attributes(node), index + 1
+                token, os.fsencode(node.name), self._attributes(node), offset + 1
             ):
                 break
+            offset += 1
+            cursor.offset, cursor.last_name = offset, node.name
 
     async def releasedir(self, fh: int) -> None:
-        pass
+        self.dir_handles.pop(fh, None)
 
     @fuse_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -144,7 +168,7 @@ class Operations(pyfuse3.Operations):
         # The bytes of a version never change, so the kernel page cache may keep them;
         # after the object changed, the first open drops what the kernel cached.
         keep_cache = node.kernel_version in ("", node.version)
-        node.kernel_version = node.version
+        self.namespace.set_kernel_version(node, node.version)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
 
     @fuse_errors
@@ -165,8 +189,7 @@ class Operations(pyfuse3.Operations):
         try:
             self.namespace.update_file(node, await self.namespace.store.head(node.key))
         except NotFound:
-            node.size = 0
-            node.version = "gone"
+            self.namespace.mark_gone(node)
         # Not from inside a handler (that can deadlock the kernel): a thread does it once
         # this request has been answered.
         self.reader.nursery.start_soon(
@@ -183,7 +206,7 @@ class Operations(pyfuse3.Operations):
         data.f_bsize = data.f_frsize = 4096
         data.f_blocks = (self.namespace.known_bytes + 4095) // 4096
         data.f_bfree = data.f_bavail = 0
-        data.f_files = len(self.namespace.nodes)
+        data.f_files = self.namespace.known_files + 1
         data.f_ffree = data.f_favail = 0
         data.f_namemax = 255
         return data
@@ -195,7 +218,7 @@ class Operations(pyfuse3.Operations):
         return []
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
-        pass  # inodes live as long as the mount, so there is nothing to free
+        pass  # entries live in the index, not in memory: there is nothing to free
 
     setattr = _read_only("setattr")
     mknod = _read_only("mknod")

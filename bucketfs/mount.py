@@ -34,7 +34,6 @@ from bucketfs.backends.store import ObjectStore
 from bucketfs.backends.urls import BucketUrl
 from bucketfs.cache.admin import save_counters
 from bucketfs.cache.disk import CacheDirError, CacheDirUnwritable, DiskTier
-from bucketfs.cache.listings import ListingCache
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config
@@ -147,11 +146,11 @@ async def _serve(
             disk.close()
 
 
-async def _check_access(backend: Backend, saved: ListingCache | None) -> None:
+async def _check_access(backend: Backend, namespace: Namespace) -> None:
     """Prove the credentials and the bucket before mounting. With listings kept from an
     earlier mount, a HEAD of an object they name does it without a LIST."""
     checker = ObjectStore(backend, max_workers=1, retry=MOUNT_CHECK_RETRY)
-    probe = saved.any_object() if saved is not None else None
+    probe = namespace.any_file_key()
     try:
         if probe is not None:
             try:
@@ -169,14 +168,23 @@ async def _serve_with(
     ready: Callable[[list[str]], None], warnings: list[str],
 ) -> None:
     config = info.config
-    saved = None
-    if disk is not None:
-        saved = ListingCache(disk.index, info.url.bucket_url)
-        if config.refresh:
-            saved.forget_all()
-    await _check_access(backend, saved)
     namespace = Namespace(store, info.url.prefix, metadata_ttl=config.metadata_ttl,
-                          saved=saved)
+                          index=disk.index if disk is not None else None,
+                          space=info.url.bucket_url)
+    try:
+        await _serve_namespace(info, store, disk, namespace, ready, warnings)
+    finally:
+        namespace.close()
+
+
+async def _serve_namespace(
+    info: MountInfo, store: ObjectStore, disk: DiskTier | None, namespace: Namespace,
+    ready: Callable[[list[str]], None], warnings: list[str],
+) -> None:
+    config = info.config
+    if config.refresh:
+        namespace.forget_listings()
+    await _check_access(store.backend, namespace)
     try:
         if not await namespace.children(namespace.root.inode):
             warnings.append(f"{info.url} names no objects: the mount is empty")

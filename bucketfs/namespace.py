@@ -2,8 +2,12 @@
 
 Owns inode numbers and the listing of each directory. A directory is listed lazily
 (the first lookup or readdir inside it), all pages at once, and the result is kept
-for `metadata_ttl` seconds (by default for the life of the mount). Inodes are never
-reused while mounted, so a kernel that remembers one always finds the same entry.
+for `metadata_ttl` seconds (by default for the life of the cache). The entries live in
+a RocksDB index (cache/listings.py), not in Python objects: a `Node` is a view made for
+one request. With a cache directory that index is the cache's, so a remount reuses the
+listings and the inode numbers; without one it is a temporary index deleted at
+unmount. Inodes are never reused, so a kernel that remembers one always finds the same
+entry (or none, once a re-listing found it gone).
 
 Rules for keys that do not map cleanly onto a POSIX tree (see docs/ARCHITECTURE.md):
 - an object `a` and a prefix `a/` both exist: the directory wins, the object is hidden;
@@ -16,16 +20,18 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import pyfuse3
 import trio
+from rocksdict import Options, Rdict
 
 from bucketfs.backends.base import ObjectInfo
-from bucketfs.backends.store import ObjectStore
-from bucketfs.cache.listings import ListingCache
+from bucketfs.backends.store import DirListing, ObjectStore
+from bucketfs.cache.listings import ROOT_INODE, Child, Record, TreeIndex
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +52,6 @@ class Node:
     version: str = ""
     #: The version the kernel page cache may hold bytes of ("" before the first open).
     kernel_version: str = ""
-    #: Directories only: name -> inode, filled by listing; None until listed.
-    children: dict[str, int] | None = None
-    sorted_names: list[str] | None = None
-    listed_at: float = -math.inf
-    listing: trio.Event | None = None
 
 
 def invalid_name_reason(name: str) -> str | None:
@@ -69,94 +70,139 @@ class Namespace:
         store: ObjectStore,
         root_prefix: str,
         *,
+        index: Rdict | None = None,
+        space: str = "",
         metadata_ttl: float = math.inf,
-        clock: Callable[[], float] = time.monotonic,
-        saved: ListingCache | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`index`: the cache's RocksDB (listings outlive the mount), or None for a
+        temporary one. `space` names the bucket, so buckets sharing an index stay apart.
+        `clock`: wall-clock seconds (listing times are compared across mounts)."""
         self.store = store
         self.metadata_ttl = metadata_ttl
-        #: Listings kept from earlier mounts (with --cache-dir), trusted within the TTL.
-        self.saved = saved
         self.clock = clock
         self.mount_time_ns = time.time_ns()
-        self.nodes: dict[int, Node] = {}
-        self._next_inode = pyfuse3.ROOT_INODE + 1
+        self._temporary: str | None = None
+        if index is None:
+            self._temporary = tempfile.mkdtemp(prefix="bucketfs-tree-")
+            index = Rdict(self._temporary, Options(raw_mode=True))
+        self.index = index
+        self.tree = TreeIndex(index, f"{space}\0{root_prefix}")
         self._warned: set[str] = set()
-        self.root = Node(
-            inode=pyfuse3.ROOT_INODE, parent=pyfuse3.ROOT_INODE, name="", is_dir=True,
-            key=root_prefix, mtime_ns=self.mount_time_ns,
-        )
-        self.nodes[self.root.inode] = self.root
+        self._listing: dict[int, trio.Event] = {}
+        self.root = Node(inode=ROOT_INODE, parent=ROOT_INODE, name="", is_dir=True,
+                         key=root_prefix, mtime_ns=self.mount_time_ns)
+
+    def close(self) -> None:
+        if self._temporary is not None:
+            self.index.close()
+            shutil.rmtree(self._temporary, ignore_errors=True)
+            self._temporary = None
+
+    # --- entries ------------------------------------------------------------------------
+
+    def _node(self, parent: int, name: str, record: Record) -> Node:
+        return Node(record.inode, parent, name, record.is_dir, record.key, record.size,
+                    record.mtime_ns if not record.is_dir else self.mount_time_ns,
+                    record.version, record.kernel_version)
 
     def get(self, inode: int) -> Node:
-        """Raises KeyError for an inode this mount never handed out."""
-        return self.nodes[inode]
+        """Raises KeyError for an inode this tree does not hold."""
+        if inode == ROOT_INODE:
+            return self.root
+        where = self.tree.locate(inode)
+        record = self.tree.child(*where) if where is not None else None
+        if record is None or record.inode != inode:
+            raise KeyError(inode)
+        return self._node(where[0], where[1], record)
 
     @property
     def known_bytes(self) -> int:
-        return sum(node.size for node in self.nodes.values())
+        return self.tree.known_bytes
+
+    @property
+    def known_files(self) -> int:
+        return self.tree.known_files
 
     async def lookup(self, parent: int, name: str) -> Node | None:
-        directory = self.nodes[parent]
+        directory = self.get(parent)
         if not directory.is_dir:
             return None
-        children = await self._listed(directory)
-        inode = children.get(name)
-        return None if inode is None else self.nodes[inode]
+        await self._listed(directory)
+        record = self.tree.child(parent, name)
+        return None if record is None else self._node(parent, name, record)
+
+    async def entries(self, inode: int, after: str | None = None) -> Iterator[Node]:
+        """A directory's entries in name order, from the first name after `after`."""
+        await self._listed(self.get(inode))
+        return (self._node(inode, name, record)
+                for name, record in self.tree.children(inode, after))
 
     async def children(self, inode: int) -> list[Node]:
-        """Entries of a directory, sorted by name."""
-        names, children = await self.listing(inode)
-        return [self.nodes[children[name]] for name in names]
-
-    async def listing(self, inode: int) -> tuple[list[str], dict[str, int]]:
-        """A directory's sorted names (readdir offsets index them) and name -> inode, as
-        they are: readdir of a huge directory must not copy them once per request."""
-        directory = self.nodes[inode]
-        children = await self._listed(directory)
-        assert directory.sorted_names is not None
-        return directory.sorted_names, children
+        """All entries of a directory, sorted by name (small directories and tests)."""
+        return list(await self.entries(inode))
 
     def update_file(self, node: Node, info: ObjectInfo) -> None:
         """The object changed in the bucket: new opens see the new version."""
+        old_size = node.size
         node.size, node.mtime_ns, node.version = info.size, info.mtime_ns, info.version
+        self._save(node, old_size)
+
+    def mark_gone(self, node: Node) -> None:
+        """The object was deleted from the bucket while open."""
+        old_size, node.size, node.version = node.size, 0, "gone"
+        self._save(node, old_size)
+
+    def set_kernel_version(self, node: Node, version: str) -> None:
+        if node.kernel_version != version:
+            node.kernel_version = version
+            self._save(node, node.size)
+
+    def _save(self, node: Node, old_size: int) -> None:
+        if node.inode == ROOT_INODE:
+            return
+        self.tree.update(node.parent, node.name, Record(
+            node.inode, node.is_dir, node.key, node.size, node.mtime_ns, node.version,
+            node.kernel_version), old_size)
+
+    def forget_listings(self) -> None:
+        self.tree.forget_listings()
+
+    def any_file_key(self) -> str | None:
+        return self.tree.any_file_key()
+
+    # --- listing ------------------------------------------------------------------------
 
     def _fresh(self, directory: Node) -> bool:
-        return self.clock() - directory.listed_at < self.metadata_ttl
+        listed_at = self.tree.listed_at(directory.inode)
+        return listed_at is not None and self.clock() - listed_at < self.metadata_ttl
 
-    async def _listed(self, directory: Node) -> dict[str, int]:
+    async def _listed(self, directory: Node) -> None:
         # Single-flight: concurrent lookups in an unlisted directory share one listing.
-        while directory.children is None or not self._fresh(directory):
-            if directory.listing is not None:
-                await directory.listing.wait()
-                if directory.children is not None and self._fresh(directory):
-                    break
+        while not self._fresh(directory):
+            flight = self._listing.get(directory.inode)
+            if flight is not None:
+                await flight.wait()
                 continue
-            directory.listing = trio.Event()
+            flight = self._listing[directory.inode] = trio.Event()
             try:
-                await self._list(directory)
+                listing = await self.store.list_dir(directory.key)
+                # Both steps are proportional to the directory: not in the trio thread.
+                await trio.to_thread.run_sync(self._store, directory, listing, self.clock())
             finally:
-                directory.listing.set()
-                directory.listing = None
-        return directory.children
+                flight.set()
+                del self._listing[directory.inode]
 
-    async def _list(self, directory: Node) -> None:
-        listing, age = None, 0.0
-        if self.saved is not None and directory.children is None:
-            found = self.saved.get(directory.key)
-            if found is not None and found[1] < self.metadata_ttl:
-                listing, age = found
-        if listing is None:
-            listing = await self.store.list_dir(directory.key)
-            if self.saved is not None:
-                self.saved.put(directory.key, listing)
-        old = directory.children or {}
-        children: dict[str, int] = {}
+    def _store(self, directory: Node, listing: DirListing, listed_at: float) -> None:
+        self.tree.store(directory.inode, self._children(directory, listing), listed_at)
+
+    def _children(self, directory: Node, listing: DirListing) -> list[Child]:
+        children: dict[str, Child] = {}
         prefix_len = len(directory.key)
         for prefix in listing.prefixes:
             name = prefix[prefix_len:-1]
             if self._acceptable(prefix, name):
-                children[name] = self._node(old, directory, name, True, prefix).inode
+                children[name] = Child(name, True, prefix)
         for info in listing.objects:
             if info.key == directory.key:
                 continue  # the directory's own "dir/" marker object
@@ -164,7 +210,7 @@ class Namespace:
             if name.endswith("/"):
                 name = name[:-1]  # an empty marker reported as an object
                 if self._acceptable(info.key, name) and name not in children:
-                    children[name] = self._node(old, directory, name, True, info.key).inode
+                    children[name] = Child(name, True, info.key)
                 continue
             if not self._acceptable(info.key, name):
                 continue
@@ -172,23 +218,9 @@ class Namespace:
                 self._warn_once(info.key, f"object {info.key!r} is hidden by the directory "
                                           f"{info.key + '/'!r} of the same name")
                 continue
-            node = self._node(old, directory, name, False, info.key)
-            self.update_file(node, info)
-            children[name] = node.inode
-        directory.children = children
-        directory.sorted_names = sorted(children)
-        directory.listed_at = self.clock() - age
-
-    def _node(self, old: dict[str, int], parent: Node, name: str, is_dir: bool, key: str) -> Node:
-        """Reuse the inode of an entry that survives a re-listing; else make a new one."""
-        inode = old.get(name)
-        if inode is not None and self.nodes[inode].is_dir == is_dir:
-            return self.nodes[inode]
-        node = Node(inode=self._next_inode, parent=parent.inode, name=name, is_dir=is_dir,
-                    key=key, mtime_ns=self.mount_time_ns)
-        self._next_inode += 1
-        self.nodes[node.inode] = node
-        return node
+            children[name] = Child(name, False, info.key, info.size, info.mtime_ns,
+                                   info.version)
+        return list(children.values())
 
     def _acceptable(self, key: str, name: str) -> bool:
         reason = invalid_name_reason(name)

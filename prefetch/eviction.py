@@ -82,7 +82,9 @@ __all__ = [
     "LRU",
     "POLICIES",
     "CostAwareLRFU",
+    "EntryState",
     "EvictionPolicy",
+    "RankedPolicy",
     "lam_for_half_life",
     "make_policy",
 ]
@@ -145,7 +147,9 @@ class EvictionPolicy(ABC):
         """Set the clock from `export_clock`; it never goes backwards."""
 
 
-class _Entry:
+class EntryState:
+    """One entry's eviction state: what `export` saves and every rank is computed from."""
+
     __slots__ = ("admitted", "cooling", "cost", "gap", "last", "score", "seq", "size")
 
     def __init__(self, size: int, cost: float, admitted: int) -> None:
@@ -166,7 +170,7 @@ class _Entry:
 _Record = tuple[tuple[float, ...], int, Hashable]
 
 
-class _RankedPolicy(EvictionPolicy):
+class RankedPolicy(EvictionPolicy):
     """Heap machinery shared by the policies. Subclasses say how a reference changes an
     entry's score (`_first`, `_again`) and how entries are ranked (`_rank`, lowest is
     evicted first). With `stale_after` > 0 (cost-lrfu), an entry out of cool-down that
@@ -183,7 +187,7 @@ class _RankedPolicy(EvictionPolicy):
         self.cooldown = int(cooldown)
         self._clock = 0
         self._seq = 0
-        self._entries: dict[Hashable, _Entry] = {}
+        self._entries: dict[Hashable, EntryState] = {}
         self._ready: list[_Record] = []  # entries out of cool-down
         self._cooling: list[_Record] = []  # entries in cool-down, same ranking
         self._ends: list[tuple[int, int, Hashable]] = []  # (admitted, seq, key) in cool-down
@@ -194,14 +198,14 @@ class _RankedPolicy(EvictionPolicy):
         self._gap_count = 0
 
     # -- subclass hooks ---------------------------------------------------------------
-    def _first(self, entry: _Entry) -> None:
+    def _first(self, entry: EntryState) -> None:
         """First reference (admit); `entry.last` is already the current time."""
 
-    def _again(self, entry: _Entry, now: int) -> None:
+    def _again(self, entry: EntryState, now: int) -> None:
         """Another reference at `now`; `entry.last` still holds the previous one."""
 
     @abstractmethod
-    def _rank(self, entry: _Entry) -> tuple[float, ...]: ...
+    def _rank(self, entry: EntryState) -> tuple[float, ...]: ...
 
     # -- interface --------------------------------------------------------------------
     @property
@@ -221,7 +225,7 @@ class _RankedPolicy(EvictionPolicy):
         self._clock += 1
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry(size, cost, self._clock)
+            entry = self._entries[key] = EntryState(size, cost, self._clock)
             self._first(entry)
         else:
             self._reference(entry)
@@ -257,17 +261,11 @@ class _RankedPolicy(EvictionPolicy):
         return key if key is not None else self._top(self._cooling)
 
     def export(self, key: Hashable) -> tuple[float, ...]:
-        entry = self._entries[key]
-        return (float(entry.admitted), float(entry.last), float(entry.score),
-                float(entry.gap))
+        return self.saved(self._entries[key])
 
     def restore(self, key: Hashable, size: int, cost: float, state: tuple[float, ...]) -> None:
         self.remove(key)
-        admitted, last, score, *rest = state
-        entry = self._entries[key] = _Entry(size, cost, int(admitted))
-        entry.last = int(last)
-        entry.score = float(score)
-        entry.gap = int(rest[0]) if rest else 0
+        entry = self._entries[key] = self.state_from(size, cost, state)
         self._count_gap(entry, 1)
         # A later reference must come after every restored one.
         self._clock = max(self._clock, entry.admitted, entry.last)
@@ -275,20 +273,56 @@ class _RankedPolicy(EvictionPolicy):
         self._push(key, entry)
         self._maybe_rebuild()
 
+    # -- the math alone, for a tier that keeps the order itself (the SSD tier keeps it
+    # -- as index keys: bucketfs/cache/ranking.py) --------------------------------------
+    def new_state(self, size: int, cost: float, now: int) -> EntryState:
+        """The state of an entry admitted at `now` (does not touch this policy's heaps)."""
+        state = EntryState(size, cost, now)
+        self._first(state)
+        return state
+
+    def state_from(self, size: int, cost: float, saved: tuple[float, ...]) -> EntryState:
+        """The state `export` saved (another policy's numbers are taken as they are)."""
+        admitted, last, score, *rest = saved
+        state = EntryState(size, cost, int(admitted))
+        state.last = int(last)
+        state.score = float(score)
+        state.gap = int(rest[0]) if rest else 0
+        return state
+
+    @staticmethod
+    def saved(state: EntryState) -> tuple[float, ...]:
+        return (float(state.admitted), float(state.last), float(state.score),
+                float(state.gap))
+
+    def reference_state(self, state: EntryState, now: int) -> None:
+        """A reference to the entry at `now`: its score, gap and last reference move."""
+        self._again(state, now)
+        state.gap = now - state.last
+        state.last = now
+
+    def identity(self) -> str:
+        """The policy and its parameters: ranks saved under another identity are stale."""
+        params = sorted((k, v) for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}{params}"
+
+    def rank(self, state: EntryState) -> tuple[float, ...]:
+        """Lowest is evicted first. Depends on the entry's own state only, never on the
+        clock: an order kept elsewhere stays valid until the entry is referenced."""
+        return self._rank(state)
+
     # -- heap machinery ---------------------------------------------------------------
-    def _reference(self, entry: _Entry) -> None:
-        self._again(entry, self._clock)
+    def _reference(self, entry: EntryState) -> None:
         self._count_gap(entry, -1)
-        entry.gap = self._clock - entry.last
-        entry.last = self._clock
+        self.reference_state(entry, self._clock)
         self._count_gap(entry, 1)
 
-    def _count_gap(self, entry: _Entry, sign: int) -> None:
+    def _count_gap(self, entry: EntryState, sign: int) -> None:
         if entry.gap:
             self._gap_sum += sign * entry.gap
             self._gap_count += sign
 
-    def _start_cooldown(self, key: Hashable, entry: _Entry) -> None:
+    def _start_cooldown(self, key: Hashable, entry: EntryState) -> None:
         # Whether the cool-down is over is decided lazily in victim(): nothing else
         # depends on it, and the clock may still be restored.
         entry.cooling = self.cooldown > 0
@@ -296,7 +330,7 @@ class _RankedPolicy(EvictionPolicy):
             self._seq += 1
             heapq.heappush(self._ends, (entry.admitted, self._seq, key))
 
-    def _push(self, key: Hashable, entry: _Entry) -> None:
+    def _push(self, key: Hashable, entry: EntryState) -> None:
         self._seq += 1
         entry.seq = self._seq
         if entry.cooling:
@@ -357,27 +391,27 @@ class _RankedPolicy(EvictionPolicy):
         self._ready, self._cooling, self._ends, self._recency = ready, cooling, ends, recency
 
 
-class LRU(_RankedPolicy):
+class LRU(RankedPolicy):
     """Least recently used first."""
 
-    def _rank(self, entry: _Entry) -> tuple[float, ...]:
+    def _rank(self, entry: EntryState) -> tuple[float, ...]:
         return (entry.last,)
 
 
-class LFU(_RankedPolicy):
+class LFU(RankedPolicy):
     """Fewest references while in this tier first; among equal counts, least recent."""
 
-    def _first(self, entry: _Entry) -> None:
+    def _first(self, entry: EntryState) -> None:
         entry.score = 1.0
 
-    def _again(self, entry: _Entry, now: int) -> None:
+    def _again(self, entry: EntryState, now: int) -> None:
         entry.score += 1.0
 
-    def _rank(self, entry: _Entry) -> tuple[float, ...]:
+    def _rank(self, entry: EntryState) -> tuple[float, ...]:
         return (entry.score, entry.last)
 
 
-class LRFU(_RankedPolicy):
+class LRFU(RankedPolicy):
     """Lowest CRF first; among equal CRFs, least recent."""
 
     def __init__(self, *, p: float = DEFAULT_P, lam: float = DEFAULT_LAM,
@@ -389,18 +423,18 @@ class LRFU(_RankedPolicy):
         self.lam = lam
         self._decay = lam * math.log(p)  # ln F(x) = -decay * x
 
-    def _first(self, entry: _Entry) -> None:
+    def _first(self, entry: EntryState) -> None:
         entry.score = 1.0
 
-    def _again(self, entry: _Entry, now: int) -> None:
+    def _again(self, entry: EntryState, now: int) -> None:
         entry.score = 1.0 + entry.score * math.exp(-self._decay * (now - entry.last))
 
-    def _key(self, entry: _Entry) -> float:
+    def _key(self, entry: EntryState) -> float:
         # ln CRF_t = key - decay * t for every entry, so ordering by key is ordering by
         # CRF at any common time t.
         return math.log(entry.score) + self._decay * entry.last
 
-    def _rank(self, entry: _Entry) -> tuple[float, ...]:
+    def _rank(self, entry: EntryState) -> tuple[float, ...]:
         return (self._key(entry), entry.last)
 
 
@@ -424,7 +458,7 @@ class CostAwareLRFU(LRFU):
         self._width = math.log1p(tolerance)
         self._cost_width = math.log1p(cost_tolerance)
 
-    def _rank(self, entry: _Entry) -> tuple[float, ...]:
+    def _rank(self, entry: EntryState) -> tuple[float, ...]:
         key = self._key(entry)
         crf = math.floor(key / self._width) if self._width > 0 else key
         per_byte = entry.cost / max(entry.size, 1)
@@ -438,7 +472,7 @@ class CostAwareLRFU(LRFU):
         return (crf, cost, -entry.last)
 
 
-POLICIES: dict[str, type[_RankedPolicy]] = {
+POLICIES: dict[str, type[RankedPolicy]] = {
     "lru": LRU,
     "lfu": LFU,
     "lrfu": LRFU,
@@ -454,7 +488,7 @@ def lam_for_half_life(references: float, p: float = DEFAULT_P) -> float:
     return 1.0 / (references * math.log2(p))
 
 
-def make_policy(name: str = DEFAULT_POLICY, **params: float) -> EvictionPolicy:
+def make_policy(name: str = DEFAULT_POLICY, **params: float) -> RankedPolicy:
     """A policy by name (`lru`, `lfu`, `lrfu`, `cost-lrfu`) with keyword parameters:
     `cooldown` for all, `p` and `lam` for the LRFUs, `tolerance`, `cost_tolerance` and
     `stale_after` for cost-lrfu."""

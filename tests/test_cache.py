@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import trio
+from rocksdict import Options, Rdict
 
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
 from bucketfs.cache.blocks import BlockId, ObjectRef, block_span
-from bucketfs.cache.disk import DiskTier
+from bucketfs.cache.disk import STATE_KEY, DiskTier
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.prefetch.eviction import make_policy
@@ -173,9 +174,17 @@ def test_damaged_or_foreign_block_files_are_misses_not_data(tmp_path):
     assert h.backend.calls["get"] == 4 + 3
 
 
-def test_startup_removes_unindexed_and_temporary_files(tmp_path):
+def as_if_crashed(directory) -> None:
+    """Make the last run look like one that did not close cleanly (kill -9)."""
+    index = Rdict(str(directory / "index"), Options(raw_mode=True))
+    index.delete(STATE_KEY)
+    index.close()
+
+
+def test_startup_after_a_crash_removes_unindexed_and_temporary_files(tmp_path):
     h = Harness(dataset(2), ram=1, disk=64 * MiB, directory=tmp_path / "cache")
     h.run(h.read_all)
+    as_if_crashed(tmp_path / "cache")
     stray = tmp_path / "cache/data/ab"
     stray.mkdir(exist_ok=True)
     (stray / "ab0000.blk.123.tmp").write_bytes(b"half a block")
@@ -183,6 +192,24 @@ def test_startup_removes_unindexed_and_temporary_files(tmp_path):
     h.run(h.read_all)
     assert not list(stray.iterdir())
     assert h.backend.calls["get"] == 2
+
+
+@pytest.mark.parametrize("crashed", [False, True])
+def test_reopen_counts_the_same_bytes_after_a_clean_close_or_a_crash(tmp_path, crashed):
+    directory = tmp_path / "cache"
+    h = Harness(dataset(30), ram=1, disk=1 * MiB, directory=directory)
+    h.run(h.read_all)  # twice the budget: evictions happen
+    tier = DiskTier(directory, 1 * MiB, make_policy(), namespace="mem://bucket")
+    used, clock, records = tier.used, tier.ranking.clock, tier.ranking.gap_count
+    tier.close()
+    if crashed:
+        as_if_crashed(directory)
+    again = DiskTier(directory, 1 * MiB, make_policy(), namespace="mem://bucket")
+    assert (again.used, again.ranking.gap_count) == (used, records)
+    # After a crash the clock is recounted from the entries left: never behind them.
+    assert again.ranking.clock <= clock if crashed else again.ranking.clock == clock
+    assert 0 < again.used <= 1 * MiB
+    again.close()
 
 
 def test_block_span():

@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 from rocksdict import Options, Rdict
 
-from bucketfs.backends.base import ObjectInfo
-from bucketfs.backends.store import DirListing
 from bucketfs.cache import admin
 from bucketfs.cache.admin import (
     CacheAdminError,
@@ -27,7 +25,7 @@ from bucketfs.cache.admin import (
 )
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.disk import DiskTier
-from bucketfs.cache.listings import ListingCache
+from bucketfs.cache.listings import Child, TreeIndex
 from bucketfs.prefetch.eviction import make_policy
 
 KiB, MiB = 1024, 1024**2
@@ -77,9 +75,9 @@ def test_stats_counts_saved_listings(tmp_path):
     directory = tmp_path / "cache"
     populate(directory)
     disk = open_tier(directory)
-    listings = ListingCache(disk.index, "mem://bucket")
-    listings.put("", DirListing(prefixes=["img/"]))
-    listings.put("img/", DirListing(objects=[ObjectInfo("img/0.jpg", 10, 0, "v1")]))
+    tree = TreeIndex(disk.index, "mem://bucket\0")
+    tree.store(1, [Child("img", True, "img/")], listed_at=0.0)
+    tree.store(2, [Child("0.jpg", False, "img/0.jpg", 10, 0, "v1")], listed_at=0.0)
     disk.close()
     stats = cache_stats(directory)
     assert stats["listings"] == 2 and stats["entries"] == 5

@@ -163,3 +163,21 @@ def test_kernel_readahead_is_raised_for_the_mount(source, tmp_path):
         value = int(Path(f"/sys/class/bdi/{device}/read_ahead_kb").read_text())
         # Only root may change it; anyone else keeps the kernel's 128 KiB.
         assert value == (2048 if os.geteuid() == 0 else 128)
+
+
+def test_a_large_directory_lists_whole_over_many_readdir_calls(tmp_path):
+    root = tmp_path / "bucket"
+    (root / "many").mkdir(parents=True)
+    # Names of varied length and prefixes of each other: resuming after "a1" must not
+    # skip "a10".
+    names = {f"a{i}" for i in range(3000)} | {"ü" * 40, "b", "b b"}
+    for name in names:
+        (root / "many" / name).write_bytes(name.encode())
+    with mounted(f"file://{root}", tmp_path / "mnt") as mnt:
+        listed = os.listdir(mnt / "many")
+        assert sorted(listed) == sorted(names) and len(listed) == len(names)
+        with os.scandir(mnt / "many") as entries:
+            sizes = {e.name: e.stat().st_size for e in entries}
+        assert sizes == {name: len(name.encode()) for name in names}
+        assert (mnt / "many" / "a10").read_bytes() == b"a10"
+        assert os.statvfs(mnt).f_files >= len(names)

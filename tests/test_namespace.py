@@ -117,3 +117,48 @@ def test_prefix_with_no_objects_is_an_empty_root():
         assert await ns.children(1) == []
 
     trio.run(main)
+
+
+def test_entries_resume_after_a_name_and_nothing_is_held_per_entry():
+    objects = {f"d/{name}": b"x" for name in ("a", "a1", "a10", "a2", "b", "é")}
+    _, ns = make(objects, prefix="d/")
+
+    async def main():
+        names = [n.name for n in await ns.entries(1)]
+        assert names == ["a", "a1", "a10", "a2", "b", "é"]
+        assert [n.name for n in await ns.entries(1, "a1")] == ["a10", "a2", "b", "é"]
+        assert [n.name for n in await ns.entries(1, "é")] == []
+        node = await ns.lookup(1, "a10")
+        assert ns.get(node.inode).key == "d/a10"
+        assert not hasattr(ns, "nodes")  # entries live in the index only
+
+    trio.run(main)
+    ns.close()
+
+
+def test_listings_and_inodes_outlive_the_namespace_in_a_shared_index(tmp_path):
+    from rocksdict import Options, Rdict
+
+    index = Rdict(str(tmp_path / "index"), Options(raw_mode=True))
+    backend = MemoryBackend({"p/a": b"1", "p/sub/b": b"2"})
+    store = ObjectStore(backend, max_workers=2, retry=RetryPolicy(1))
+
+    async def walk(ns):
+        a = await ns.lookup(1, "a")
+        sub = await ns.lookup(1, "sub")
+        b = await ns.lookup(sub.inode, "b")
+        return a.inode, b.inode, ns.known_bytes
+
+    first = trio.run(walk, Namespace(store, "p/", index=index, space="mem://bucket"))
+    lists = backend.calls["list"]
+    again = Namespace(store, "p/", index=index, space="mem://bucket")
+    assert trio.run(walk, again) == first == (first[0], first[1], 2)
+    assert backend.calls["list"] == lists  # no LIST: the saved listings were used
+    assert again.any_file_key() in ("p/a", "p/sub/b")
+    again.forget_listings()
+    assert trio.run(walk, again)[:2] == first[:2]  # listed again, same inodes
+    assert backend.calls["list"] == lists + 2
+    other = Namespace(store, "p/", index=index, space="mem://other")
+    assert trio.run(walk, other)  # another bucket's tree is separate
+    assert backend.calls["list"] == lists + 4
+    index.close()

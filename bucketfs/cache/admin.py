@@ -30,7 +30,7 @@ from typing import Any
 from rocksdict import AccessType, Options, Rdict
 
 from bucketfs.cache.disk import ENTRY, FORMAT_KEY, _parse_record
-from bucketfs.cache.listings import LISTING
+from bucketfs.cache.listings import LISTED as LISTING
 
 COUNTERS_KEY = b"C:counters"
 _TRASH_PREFIX = ".bucketfs-clearing-"

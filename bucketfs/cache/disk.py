@@ -3,10 +3,15 @@
 Durability, in this order, so a crash at any moment leaves nothing torn under a real
 name: write `NAME.tmp`, fsync, rename to `NAME`, then record it in the index. A block
 file starts with a header naming its entry and the CRC32 of its bytes; a read checks
-both, so a stale, foreign or damaged file is a miss, never wrong data. At startup the
-index is scanned once (to restore the eviction policy and the byte count) and files
-nobody indexed (a crash between rename and index) are deleted; a valid cache is never
-wiped.
+both, so a stale, foreign or damaged file is a miss, never wrong data.
+
+The index holds, per block, a record (`E` + entry: length, CRC, refetch cost and
+eviction state) and the block's place in the eviction order (ranking.py); nothing in
+Python grows with the number of blocks. A clean close saves the few totals (bytes
+used, the policy's clock and gap statistics) under `C:state`, which the next open reads
+and deletes: when it is missing, the last run crashed, so the open scans the records
+once to recount them and deletes block files nobody indexed (a crash between rename and
+index). A valid cache is never wiped.
 
 A full disk (ENOSPC), a read-only or unwritable directory make the tier step aside for
 writes with one warning; reads keep working from RAM and the origin. Blocking: called
@@ -24,10 +29,11 @@ import threading
 import zlib
 from pathlib import Path
 
-from rocksdict import Options, Rdict
+from rocksdict import Options, Rdict, WriteBatch
 
 from bucketfs.cache.blocks import BlockId
-from bucketfs.prefetch.eviction import EvictionPolicy
+from bucketfs.cache.ranking import IndexRanking
+from bucketfs.prefetch.eviction import RankedPolicy
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +41,13 @@ MAGIC = b"BFSB1\n"
 _HEADER = struct.Struct("<IQI")  # entry-name length, data length, crc32
 _RECORD = struct.Struct("<QId")  # data length, crc32, cost
 ENTRY = b"E"
-CLOCK_KEY = b"C:clock"
+CLOCK_KEY = b"C:clock"  # format 1 only
 FORMAT_KEY = b"C:format"
-FORMAT = b"1"
+#: 2: eviction order as index keys (ranking.py). A format-1 cache is upgraded in place.
+FORMAT = b"2"
+STATE_KEY = b"C:state"
+POLICY_KEY = b"C:policy"
+_STATE = struct.Struct("<qqqq")  # clock, bytes used, gap sum, gap count
 #: errnos that mean "this directory cannot take writes now", not a bug.
 _STEP_ASIDE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
@@ -63,7 +73,7 @@ def _parse_record(value: bytes) -> tuple[int, int, float, tuple[float, ...]]:
 
 class DiskTier:
     def __init__(
-        self, directory: str | os.PathLike[str], capacity: int, policy: EvictionPolicy, *,
+        self, directory: str | os.PathLike[str], capacity: int, policy: RankedPolicy, *,
         namespace: str, free_floor: int = 0,
     ) -> None:
         self.directory = Path(directory)
@@ -73,7 +83,7 @@ class DiskTier:
         self.namespace = namespace
         self.lock = threading.Lock()
         #: Entries being written now (their bytes already count in `used`).
-        self.writing: set[bytes] = set()
+        self.writing: dict[bytes, int] = {}
         self.used = 0
         self.evictions = 0
         #: False once writes failed for a reason the disk will not fix by itself.
@@ -90,31 +100,64 @@ class DiskTier:
                 s in reason for s in ("Permission denied", "Read-only file system",
                                       "No space left"))
             raise (CacheDirUnwritable if unwritable else CacheDirError)(message) from None
+        self.ranking = IndexRanking(self.index, policy)
         self._load()
 
     # --- startup ------------------------------------------------------------------------
 
     def _load(self) -> None:
-        if self.index.get(FORMAT_KEY) not in (None, FORMAT):
+        found = self.index.get(FORMAT_KEY)
+        if found not in (None, b"1", FORMAT):
             raise CacheDirError(f"{self.directory} holds a cache of another format; "
                                 "clear it with: bucketfs cache clear DIR")
+        identity = self.policy.identity().encode()
+        # Ranks saved by another policy (or format 1, which had none) are rebuilt.
+        rebuild = found == b"1" or (found == FORMAT and self.index.get(POLICY_KEY) != identity)
+        saved = self.index.get(STATE_KEY)
+        if saved is not None and not rebuild:
+            clock, self.used, self.ranking.gap_sum, self.ranking.gap_count = (
+                _STATE.unpack(saved))
+            self.ranking.clock = clock
+        else:
+            self._recover(rebuild)
         self.index[FORMAT_KEY] = FORMAT
+        self.index[POLICY_KEY] = identity
+        if saved is not None:
+            # From now on a crash must look like one: the next open recounts.
+            self.index.delete(STATE_KEY)
+            self.index.flush_wal(True)
+
+    def _recover(self, rebuild: bool) -> None:
+        """Recount the records (the last run did not close cleanly, or the ranks are
+        rebuilt) and delete block files no record names."""
         clock = self.index.get(CLOCK_KEY)
         if clock is not None:
-            self.policy.restore_clock(struct.unpack("<d", clock)[0])
+            self.ranking.clock = int(struct.unpack("<d", clock)[0])
+        if rebuild:
+            self.ranking.clear_keys()
+        batch = WriteBatch(raw_mode=True) if rebuild else None
         indexed: set[str] = set()
+        broken: list[bytes] = []
         # Blocks of every bucket this directory ever cached compete for its room alike.
         for name, value in self.index.items(from_key=ENTRY):
             if not name.startswith(ENTRY):
                 break
-            indexed.add(self._file_name(name[1:]))
-            length, _, cost, state = _parse_record(value)
-            self.used += length
             try:
-                self.policy.restore(name[1:], length, cost, state)
-            except (ValueError, TypeError, IndexError, OverflowError):
-                # Saved by another policy or version: rank it as if just admitted.
-                self.policy.admit(name[1:], length, cost)
+                length, _, cost, state = _parse_record(value)
+                self.ranking.restored(batch, name[1:], length, cost, state)
+            except (ValueError, TypeError, IndexError, OverflowError, struct.error):
+                broken.append(name)  # not a record this code wrote: a miss
+                continue
+            indexed.add(self._file_name(name[1:]))
+            self.used += length
+            if batch is not None and len(batch) >= 10_000:
+                self.index.write(batch)
+                batch = WriteBatch(raw_mode=True)
+        if batch is not None:
+            self.index.write(batch)
+        for name in broken:
+            self.index.delete(name)
+        self.index.delete(CLOCK_KEY)
         self._sweep(indexed)
 
     def _sweep(self, indexed: set[str]) -> None:
@@ -158,15 +201,24 @@ class DiskTier:
         data = self._read_verified(entry, length, crc)
         with self.lock:
             if data is None:
-                self._forget(entry, length)
+                self._forget(entry)
                 return None
-            if entry in self.policy:
-                self.policy.touch(entry)
-                try:
-                    self._save_state(entry, length, crc, cost)
-                except Exception as exc:  # the index cannot take writes: still a hit
-                    self._step_aside(exc)
+            try:
+                self._referenced(entry)
+            except Exception as exc:  # the index cannot take writes: still a hit
+                self._step_aside(exc)
         return data, cost
+
+    def _referenced(self, entry: bytes) -> None:
+        # Read again under the lock: it may have been evicted or ranked anew meanwhile.
+        value = self.index.get(ENTRY + entry)
+        if value is None:
+            return
+        length, crc, cost, state = _parse_record(value)
+        batch = WriteBatch(raw_mode=True)
+        state = self.ranking.referenced(batch, entry, length, cost, state)
+        batch.put(ENTRY + entry, _record(length, crc, cost, state))
+        self.index.write(batch)
 
     def _read_verified(self, entry: bytes, length: int, crc: int) -> bytes | None:
         path = self._path(entry)
@@ -209,7 +261,7 @@ class DiskTier:
                 if not self._make_room(len(data)):
                     return False
                 # Counted from now, so concurrent writers cannot overrun the budget together.
-                self.writing.add(entry)
+                self.writing[entry] = len(data)
                 self.used += len(data)
         except Exception as exc:  # RocksDB refused a read or a delete
             self._step_aside(exc)
@@ -219,18 +271,20 @@ class DiskTier:
         try:
             self._write_file(path, entry, data, crc)
             with self.lock:
-                self.policy.admit(entry, len(data), cost)
-                self._save_state(entry, len(data), crc, cost)
+                batch = WriteBatch(raw_mode=True)
+                state = self.ranking.admitted(batch, entry, len(data), cost)
+                batch.put(ENTRY + entry, _record(len(data), crc, cost, state))
+                self.index.write(batch)
         except Exception as exc:  # OSError from the disk, RocksDB's own errors
             with self.lock:
                 self.used -= len(data)
-                self.policy.remove(entry)
+                self.ranking.cooling.pop(entry, None)
             path.unlink(missing_ok=True)
             self._step_aside(exc)
             return False
         finally:
             with self.lock:
-                self.writing.discard(entry)
+                self.writing.pop(entry, None)
         return True
 
     def _write_file(self, path: Path, entry: bytes, data: bytes, crc: int) -> None:
@@ -255,12 +309,15 @@ class DiskTier:
         if shortfall > self.used:
             return False
         while shortfall > 0:
-            victim = self.policy.victim()
+            victim = self.ranking.victim()
             if victim is None:
                 return False
-            value = self.index.get(ENTRY + victim)
-            length = _parse_record(value)[0] if value else 0
-            self._forget(victim, length)
+            length = self._forget(victim)
+            if length is None:  # a rank key without a record: never written together
+                log.warning("cache: %s: the eviction order names a missing entry; "
+                            "dropping it", self.directory)
+                self.index.delete(self.ranking.victim_key)
+                continue
             self._path(victim).unlink(missing_ok=True)
             self.evictions += 1
             shortfall -= length
@@ -272,15 +329,18 @@ class DiskTier:
         stats = os.statvfs(self.data_dir)
         return max(0, self.free_floor - (stats.f_bavail * stats.f_frsize - size))
 
-    def _forget(self, entry: bytes, length: int) -> None:
-        if self.index.get(ENTRY + entry) is not None:
-            self.index.delete(ENTRY + entry)
-            self.used -= length
-        self.policy.remove(entry)
-
-    def _save_state(self, entry: bytes, length: int, crc: int, cost: float) -> None:
-        """The index keeps each entry's eviction state, so a restart ranks as before."""
-        self.index[ENTRY + entry] = _record(length, crc, cost, self.policy.export(entry))
+    def _forget(self, entry: bytes) -> int | None:
+        """Drop an entry's record and ranks; its length, or None if it had no record."""
+        value = self.index.get(ENTRY + entry)
+        if value is None:
+            return None
+        length, _, cost, state = _parse_record(value)
+        batch = WriteBatch(raw_mode=True)
+        batch.delete(ENTRY + entry)
+        self.ranking.removed(batch, entry, length, cost, state)
+        self.index.write(batch)
+        self.used -= length
+        return length
 
     def _step_aside(self, exc: Exception) -> None:
         if not isinstance(exc, OSError) or exc.errno in _STEP_ASIDE:
@@ -295,15 +355,17 @@ class DiskTier:
     def remove(self, block: BlockId) -> None:
         entry = self._entry(block)
         with self.lock:
-            value = self.index.get(ENTRY + entry)
-            if value is not None:
-                self._forget(entry, _parse_record(value)[0])
+            if self._forget(entry) is not None:
                 self._path(entry).unlink(missing_ok=True)
 
     def close(self) -> None:
         with self.lock:
             try:
-                self.index[CLOCK_KEY] = struct.pack("<d", self.policy.export_clock())
+                ranking = self.ranking
+                # Bytes being written are not on disk: they are not counted as used.
+                self.index[STATE_KEY] = _STATE.pack(
+                    ranking.clock, self.used - sum(self.writing.values()), ranking.gap_sum,
+                    ranking.gap_count)
                 self.index.flush()
                 self.index.close()
             except Exception as exc:  # a full disk: what the WAL holds is recovered

@@ -1,0 +1,160 @@
+"""The SSD tier's eviction order, kept as ordered keys in the RocksDB index.
+
+Why: a tier of a million blocks must not cost a million Python objects. A policy ranks
+an entry by a tuple computed from that entry's own state alone (`RankedPolicy.rank`:
+LRFU's key is time-invariant), so the order only changes for an entry when it is
+referenced, and it can live in the index as keys that sort like the ranks:
+
+    R + rank (8 order-preserving bytes per number) + entry   evict the lowest first
+    T + last reference (8 bytes, big-endian) + entry         cost-lrfu's "abandoned" rule
+
+An entry's record (`E`, owned by disk.py), its rank key and its recency key change
+together in one WriteBatch, so a crash never leaves them disagreeing.
+
+What stays in Python is small: the clock, the sum and count of gaps between references
+(cost-lrfu's staleness horizon) and the entries still in their cool-down; an entry
+cools for `cooldown` references after its admission, so at most `cooldown` entries do.
+
+Not thread-safe: the SSD tier calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from rocksdict import Rdict, WriteBatch
+
+from bucketfs.prefetch.eviction import EntryState, RankedPolicy
+
+RANK = b"R"
+RECENCY = b"T"
+_ALL_ONES = (1 << 64) - 1
+
+
+def ordered(value: float) -> bytes:
+    """8 bytes that sort, as bytes, like the float (IEEE 754 with the sign bit flipped,
+    or every bit flipped for negative numbers)."""
+    bits = struct.unpack(">Q", struct.pack(">d", value))[0]
+    bits = bits ^ _ALL_ONES if bits >> 63 else bits | (1 << 63)
+    return bits.to_bytes(8, "big")
+
+
+class IndexRanking:
+    def __init__(self, index: Rdict, policy: RankedPolicy) -> None:
+        self.index = index
+        self.policy = policy
+        self.clock = 0
+        self.gap_sum = 0
+        self.gap_count = 0
+        #: entry -> the clock at its admission, for entries still in their cool-down.
+        self.cooling: dict[bytes, int] = {}
+        self.rank_width = 8 * len(policy.rank(policy.new_state(1, 0.0, 1)))
+        #: The index key through which `victim()` last found its entry.
+        self.victim_key = b""
+
+    # --- keys --------------------------------------------------------------------------
+
+    def _rank_key(self, entry: bytes, state: EntryState) -> bytes:
+        return RANK + b"".join(ordered(x) for x in self.policy.rank(state)) + entry
+
+    @staticmethod
+    def _recency_key(entry: bytes, state: EntryState) -> bytes:
+        return RECENCY + max(state.last, 0).to_bytes(8, "big") + entry
+
+    def _put_keys(self, batch: WriteBatch, entry: bytes, state: EntryState) -> None:
+        batch.put(self._rank_key(entry, state), b"")
+        if self.policy.stale_after > 0:
+            batch.put(self._recency_key(entry, state), b"")
+
+    def _delete_keys(self, batch: WriteBatch, entry: bytes, state: EntryState) -> None:
+        batch.delete(self._rank_key(entry, state))
+        if self.policy.stale_after > 0:
+            batch.delete(self._recency_key(entry, state))
+
+    def _count_gap(self, state: EntryState, sign: int) -> None:
+        if state.gap:
+            self.gap_sum += sign * state.gap
+            self.gap_count += sign
+
+    # --- what happened (each adds its key changes to the caller's batch) ----------------
+
+    def admitted(self, batch: WriteBatch, entry: bytes, size: int,
+                 cost: float) -> tuple[float, ...]:
+        """A new entry; returns the state to save in its record."""
+        self.clock += 1
+        state = self.policy.new_state(size, cost, self.clock)
+        self._put_keys(batch, entry, state)
+        if self.policy.cooldown > 0:
+            self.cooling[entry] = self.clock
+        return self.policy.saved(state)
+
+    def referenced(self, batch: WriteBatch, entry: bytes, size: int, cost: float,
+                   saved: tuple[float, ...]) -> tuple[float, ...]:
+        """A hit on an entry whose record holds `saved`; returns its new state."""
+        self.clock += 1
+        state = self.policy.state_from(size, cost, saved)
+        self._delete_keys(batch, entry, state)
+        self._count_gap(state, -1)
+        self.policy.reference_state(state, self.clock)
+        self._count_gap(state, 1)
+        self._put_keys(batch, entry, state)
+        return self.policy.saved(state)
+
+    def removed(self, batch: WriteBatch, entry: bytes, size: int, cost: float,
+                saved: tuple[float, ...]) -> None:
+        state = self.policy.state_from(size, cost, saved)
+        self._delete_keys(batch, entry, state)
+        self._count_gap(state, -1)
+        self.cooling.pop(entry, None)
+
+    def restored(self, batch: WriteBatch | None, entry: bytes, size: int, cost: float,
+                 saved: tuple[float, ...]) -> None:
+        """An entry found at startup (recovery scan): count it, and write its keys when
+        they are being rebuilt (`batch` given)."""
+        state = self.policy.state_from(size, cost, saved)
+        self.clock = max(self.clock, state.admitted, state.last)
+        self._count_gap(state, 1)
+        if batch is not None:
+            self._put_keys(batch, entry, state)
+
+    # --- the decision ------------------------------------------------------------------
+
+    def victim(self) -> bytes | None:
+        """The entry to evict next, without removing it; None when there is none."""
+        horizon = self.clock - self.policy.cooldown
+        for entry in [e for e, at in self.cooling.items() if at <= horizon]:
+            del self.cooling[entry]
+        if self.policy.stale_after > 0 and self.gap_count:
+            key = self._first_not_cooling(RECENCY, fallback=False)
+            stale = self.clock - self.policy.stale_after * self.gap_sum / self.gap_count
+            if key is not None and int.from_bytes(key[1:9], "big") < stale:
+                self.victim_key = key
+                return key[9:]
+        key = self._first_not_cooling(RANK, fallback=True)
+        if key is None:
+            return None
+        self.victim_key = key
+        return key[1 + self.rank_width:]
+
+    def _first_not_cooling(self, prefix: bytes, *, fallback: bool) -> bytes | None:
+        """The first key under `prefix` whose entry is not in its cool-down; with
+        `fallback`, the first key if all are cooling (the budget must still be kept)."""
+        width = 8 if prefix == RECENCY else self.rank_width
+        first = None
+        it = self.index.iter()
+        it.seek(prefix)
+        # At most len(cooling) keys are skipped.
+        while it.valid():
+            key = it.key()
+            if not key.startswith(prefix):
+                break
+            if key[1 + width:] not in self.cooling:
+                return key
+            first = first or key
+            it.next()
+        return first if fallback else None
+
+    def clear_keys(self) -> None:
+        """Delete every rank and recency key (before rebuilding them for another policy)."""
+        for prefix in (RANK, RECENCY):
+            self.index.delete_range(prefix, bytes([prefix[0] + 1]))
