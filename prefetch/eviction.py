@@ -8,7 +8,8 @@ room, then calls `remove()` for what it actually dropped.
 Time is logical: the policy's clock counts references (every `admit` and `touch`), so a
 replayed trace gives the same decisions however fast it is replayed, and an entry's
 state can be saved in the cache index and restored after a restart (`export`/`restore`,
-`export_clock`/`restore_clock`).
+`export_clock`/`restore_clock`). A second clock counts misses (every `admit`): cost-lrfu
+measures staleness on it (below).
 
 Cool-down (DLCache): an entry admitted within the last `cooldown` references is not
 evicted while any entry outside its cool-down exists, so bytes that a prefetch just
@@ -33,7 +34,12 @@ Cost-aware LRFU (DLCache), `cost-lrfu`, ranks in this order:
    (over the entries in the tier that were referenced twice). In shuffled epochs that
    gap is at most two epochs and one on average, so 3 gaps means nobody is reading it;
    abandoned entries go least recent first. This is what lets a finished job's dataset
-   drain away, at any dataset size, without a decay rate tuned to it.
+   drain away, at any dataset size, without a decay rate tuned to it. Gaps and ages
+   are counted in misses, not references: while the tier serves its readers well,
+   little of its content needs replacing and staleness advances slowly; when a new
+   dataset starts (every read a miss), the old one goes stale within about one epoch
+   of the new one. Counted in references it took three epochs, and on a job switch
+   cost-lrfu fell up to 22 points of hit ratio below LRU (see docs/BENCHMARKS.md).
 2. Lowest CRF first. CRFs are almost never exactly equal, so "tie" is defined on a log
    scale: the same integer part of log_(1+tolerance) CRF (taken on the time-invariant
    key, so it is time-invariant too); tied CRFs are within a factor 1 + tolerance.
@@ -128,7 +134,8 @@ class EvictionPolicy(ABC):
     def export(self, key: Hashable) -> tuple[float, ...]:
         """The entry's eviction state, to be stored next to it in the index: a few
         numbers, opaque to the caller (today: admitted, last reference, count or CRF,
-        gap between its last two references). Raises KeyError for an unknown key."""
+        gap between its last two references, miss clock at the last reference). Raises
+        KeyError for an unknown key."""
 
     @abstractmethod
     def restore(self, key: Hashable, size: int, cost: float, state: tuple[float, ...]) -> None:
@@ -139,25 +146,29 @@ class EvictionPolicy(ABC):
     def clock(self) -> int:
         """References seen so far (the policy's logical time)."""
 
-    def export_clock(self) -> float:
-        return float(self.clock)
+    def export_clock(self) -> tuple[float, ...]:
+        """The policy's clocks, for `restore_clock`."""
+        return (float(self.clock),)
 
     @abstractmethod
-    def restore_clock(self, value: float) -> None:
-        """Set the clock from `export_clock`; it never goes backwards."""
+    def restore_clock(self, value: float | tuple[float, ...]) -> None:
+        """Set the clocks from `export_clock` (or the reference clock alone); they never
+        go backwards."""
 
 
 class EntryState:
     """One entry's eviction state: what `export` saves and every rank is computed from."""
 
-    __slots__ = ("admitted", "cooling", "cost", "gap", "last", "score", "seq", "size")
+    __slots__ = ("admitted", "cooling", "cost", "gap", "last", "last_miss", "score", "seq",
+                 "size")
 
-    def __init__(self, size: int, cost: float, admitted: int) -> None:
+    def __init__(self, size: int, cost: float, admitted: int, misses: int = 0) -> None:
         self.size = size
         self.cost = cost
         self.admitted = admitted
         self.last = admitted
-        self.gap = 0  # references between its last two references; 0: referenced once
+        self.last_miss = misses  # the miss clock at its last reference
+        self.gap = 0  # 1 + misses between its last two references; 0: referenced once
         self.score = 0.0  # count (LFU) or CRF at `last` (LRFU); unused by LRU
         self.cooling = False
         self.seq = 0  # the seq of this entry's valid heap records
@@ -186,12 +197,14 @@ class RankedPolicy(EvictionPolicy):
             raise ValueError("cooldown must be >= 0")
         self.cooldown = int(cooldown)
         self._clock = 0
+        self._misses = 0
         self._seq = 0
         self._entries: dict[Hashable, EntryState] = {}
         self._ready: list[_Record] = []  # entries out of cool-down
         self._cooling: list[_Record] = []  # entries in cool-down, same ranking
         self._ends: list[tuple[int, int, Hashable]] = []  # (admitted, seq, key) in cool-down
-        self._recency: list[tuple[int, int, Hashable]] = []  # (last, seq, key), out of it
+        # ((last miss, last), seq, key), out of cool-down: staleness order.
+        self._recency: list[tuple[tuple[int, int], int, Hashable]] = []
         # Gaps of the entries in the tier that were referenced more than once. Integers,
         # so a restored policy computes exactly the same mean.
         self._gap_sum = 0
@@ -212,8 +225,18 @@ class RankedPolicy(EvictionPolicy):
     def clock(self) -> int:
         return self._clock
 
-    def restore_clock(self, value: float) -> None:
-        self._clock = max(self._clock, int(value))
+    @property
+    def misses(self) -> int:
+        """Admissions seen so far (the clock staleness is measured on)."""
+        return self._misses
+
+    def export_clock(self) -> tuple[float, ...]:
+        return (float(self._clock), float(self._misses))
+
+    def restore_clock(self, value: float | tuple[float, ...]) -> None:
+        clock, misses = (value, 0) if isinstance(value, int | float) else (*value, 0)[:2]
+        self._clock = max(self._clock, int(clock))
+        self._misses = max(self._misses, int(misses))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -223,10 +246,10 @@ class RankedPolicy(EvictionPolicy):
 
     def admit(self, key: Hashable, size: int, cost: float) -> None:
         self._clock += 1
+        self._misses += 1
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = EntryState(size, cost, self._clock)
-            self._first(entry)
+            entry = self._entries[key] = self.new_state(size, cost, self._clock, self._misses)
         else:
             self._reference(entry)
             entry.size, entry.cost, entry.admitted = size, cost, self._clock
@@ -254,8 +277,8 @@ class RankedPolicy(EvictionPolicy):
         self._end_cooldowns()
         if self.stale_after > 0 and self._gap_count:
             key = self._top(self._recency)
-            horizon = self._clock - self.stale_after * self._gap_sum / self._gap_count
-            if key is not None and self._entries[key].last < horizon:
+            horizon = self._misses - self.stale_after * self._gap_sum / self._gap_count
+            if key is not None and self._entries[key].last_miss < horizon:
                 return key
         key = self._top(self._ready)
         return key if key is not None else self._top(self._cooling)
@@ -269,15 +292,17 @@ class RankedPolicy(EvictionPolicy):
         self._count_gap(entry, 1)
         # A later reference must come after every restored one.
         self._clock = max(self._clock, entry.admitted, entry.last)
+        self._misses = max(self._misses, entry.last_miss)
         self._start_cooldown(key, entry)
         self._push(key, entry)
         self._maybe_rebuild()
 
     # -- the math alone, for a tier that keeps the order itself (the SSD tier keeps it
     # -- as index keys: bucketfs/cache/ranking.py) --------------------------------------
-    def new_state(self, size: int, cost: float, now: int) -> EntryState:
-        """The state of an entry admitted at `now` (does not touch this policy's heaps)."""
-        state = EntryState(size, cost, now)
+    def new_state(self, size: int, cost: float, now: int, misses: int) -> EntryState:
+        """The state of an entry admitted at `now`, when the miss clock reads `misses`
+        (does not touch this policy's heaps)."""
+        state = EntryState(size, cost, now, misses)
         self._first(state)
         return state
 
@@ -288,18 +313,21 @@ class RankedPolicy(EvictionPolicy):
         state.last = int(last)
         state.score = float(score)
         state.gap = int(rest[0]) if rest else 0
+        state.last_miss = int(rest[1]) if len(rest) > 1 else 0
         return state
 
     @staticmethod
     def saved(state: EntryState) -> tuple[float, ...]:
         return (float(state.admitted), float(state.last), float(state.score),
-                float(state.gap))
+                float(state.gap), float(state.last_miss))
 
-    def reference_state(self, state: EntryState, now: int) -> None:
-        """A reference to the entry at `now`: its score, gap and last reference move."""
+    def reference_state(self, state: EntryState, now: int, misses: int) -> None:
+        """A reference to the entry at `now` (miss clock `misses`): its score, gap and
+        last reference move."""
         self._again(state, now)
-        state.gap = now - state.last
+        state.gap = misses - state.last_miss + 1
         state.last = now
+        state.last_miss = misses
 
     def identity(self) -> str:
         """The policy and its parameters: ranks saved under another identity are stale."""
@@ -314,7 +342,7 @@ class RankedPolicy(EvictionPolicy):
     # -- heap machinery ---------------------------------------------------------------
     def _reference(self, entry: EntryState) -> None:
         self._count_gap(entry, -1)
-        self.reference_state(entry, self._clock)
+        self.reference_state(entry, self._clock, self._misses)
         self._count_gap(entry, 1)
 
     def _count_gap(self, entry: EntryState, sign: int) -> None:
@@ -338,7 +366,7 @@ class RankedPolicy(EvictionPolicy):
             return
         heapq.heappush(self._ready, (self._rank(entry), self._seq, key))
         if self.stale_after > 0:
-            heapq.heappush(self._recency, (entry.last, self._seq, key))
+            heapq.heappush(self._recency, ((entry.last_miss, entry.last), self._seq, key))
 
     def _end_cooldowns(self) -> None:
         ends, entries = self._ends, self._entries
@@ -374,7 +402,7 @@ class RankedPolicy(EvictionPolicy):
         ready: list[_Record] = []
         cooling: list[_Record] = []
         ends: list[tuple[int, int, Hashable]] = []
-        recency: list[tuple[int, int, Hashable]] = []
+        recency: list[tuple[tuple[int, int], int, Hashable]] = []
         stale = self.stale_after > 0
         for key, entry in self._entries.items():
             self._seq += 1
@@ -385,7 +413,7 @@ class RankedPolicy(EvictionPolicy):
             else:
                 ready.append((self._rank(entry), self._seq, key))
                 if stale:
-                    recency.append((entry.last, self._seq, key))
+                    recency.append(((entry.last_miss, entry.last), self._seq, key))
         for heap in (ready, cooling, ends, recency):
             heapq.heapify(heap)
         self._ready, self._cooling, self._ends, self._recency = ready, cooling, ends, recency

@@ -64,9 +64,9 @@ def test_lrfu_crf_by_hand() -> None:
         policy.touch("a")
         policy.admit("b", 1, 0.0)
         assert policy.victim() == first
-        # admitted, last reference, CRF as of the last reference (1 + 2^-lam), and the
-        # gap between the last two references
-        assert policy.export("a") == pytest.approx((1.0, 2.0, 1 + 2**-lam, 1.0))
+        # admitted, last reference, CRF as of the last reference (1 + 2^-lam), the gap
+        # between the last two references (1 + misses in between), the miss clock then
+        assert policy.export("a") == pytest.approx((1.0, 2.0, 1 + 2**-lam, 1.0, 1.0))
         assert policy.clock == 3
 
 
@@ -207,18 +207,37 @@ def test_readmitting_restarts_the_cooldown() -> None:
 def test_entries_nobody_reads_go_first_whatever_their_crf() -> None:
     def run(stale_after: float) -> Hashable | None:
         policy = CostAwareLRFU(lam=0, cooldown=0, stale_after=stale_after)
-        policy.admit("old", 100, 1.0)  # t=1
+        policy.admit("old", 100, 1.0)  # miss 1
         for _ in range(3):
-            policy.touch("old")  # t=2..4: 4 references, gaps of 1
-        policy.admit("x", 100, 1.0)
-        policy.touch("x")  # t=6: mean gap 1
+            policy.touch("old")  # 4 references, no miss between: gaps of 1
+        policy.admit("x", 100, 1.0)  # miss 2
+        policy.touch("x")  # mean gap 1
         policy.admit("y", 100, 1.0)
-        policy.admit("z", 100, 1.0)  # t=8: "old" unread for 4 > 3 mean gaps
+        policy.admit("z", 100, 1.0)
+        policy.admit("w", 100, 1.0)  # miss 5: "old" unread for 4 misses > 3 mean gaps
         return policy.victim()
 
     assert run(3.0) == "old"
-    assert run(0.0) == "z"  # off: the lowest CRF, most recent first
-    assert run(5.0) == "z"
+    assert run(0.0) == "w"  # off: the lowest CRF, most recent first
+    assert run(5.0) == "w"
+
+
+def test_hits_do_not_age_entries_misses_do() -> None:
+    # Staleness is counted in misses: a tier that keeps hitting does not abandon what it
+    # holds, however many references go by.
+    policy = CostAwareLRFU(lam=0, cooldown=0)
+    for key in ("a", "b"):
+        policy.admit(key, 100, 1.0)
+        policy.touch(key)  # gaps of 1
+    policy.admit("c", 100, 1.0)
+    for _ in range(100):
+        policy.touch("c")
+    # 100 references later "a" is still only two misses old: the CRF order decides
+    # (lowest count, most recent first), not staleness.
+    assert policy.victim() == "b"
+    for key in ("d", "e", "f", "g"):
+        policy.admit(key, 100, 1.0)
+    assert policy.victim() == "a"  # 4 misses later it is abandoned
 
 
 def test_gaps_survive_a_restart() -> None:
@@ -238,7 +257,7 @@ def test_gaps_survive_a_restart() -> None:
     assert clone.victim() == policy.victim() == "old"
     # a state saved before gaps were kept (three numbers) still restores
     clone.restore("v", 100, 1.0, (1.0, 1.0, 1.0))
-    assert clone.export("v") == (1.0, 1.0, 1.0, 0.0)
+    assert clone.export("v") == (1.0, 1.0, 1.0, 0.0, 0.0)
 
 
 # -- against a brute-force reference model -------------------------------------------
@@ -249,18 +268,23 @@ class Reference:
     def __init__(self, name: str, p: float, lam: float, cooldown: int) -> None:
         self.name, self.p, self.lam, self.cooldown = name, p, lam, cooldown
         self.clock = 0
+        self.misses = 0
         self.refs: dict[int, list[int]] = {}
+        self.miss_at: dict[int, list[int]] = {}  # the miss clock at each reference
         self.admitted: dict[int, int] = {}
         self.costs: dict[int, float] = {}
 
     def reference(self, key: int, admit: bool) -> None:
         self.clock += 1
+        self.misses += admit
         self.refs.setdefault(key, []).append(self.clock)
+        self.miss_at.setdefault(key, []).append(self.misses)
         if admit:
             self.admitted[key] = self.clock
 
     def remove(self, key: int) -> None:
         self.refs.pop(key, None)
+        self.miss_at.pop(key, None)
         self.admitted.pop(key, None)
 
     def crf(self, key: int) -> float:
@@ -281,12 +305,13 @@ class Reference:
     def candidates(self) -> list[int]:
         ready = [k for k, t in self.admitted.items() if self.clock - t >= self.cooldown]
         if self.name == "cost-lrfu" and ready:
-            gaps = [r[-1] - r[-2] for r in self.refs.values() if len(r) > 1]
+            # Gaps and ages in misses (a gap is 1 + the misses between two references).
+            gaps = [m[-1] - m[-2] + 1 for m in self.miss_at.values() if len(m) > 1]
             if gaps:
-                horizon = self.clock - 3 * sum(gaps) / len(gaps)
-                stale = [k for k in ready if self.refs[k][-1] < horizon]
+                horizon = self.misses - 3 * sum(gaps) / len(gaps)
+                stale = [k for k in ready if self.miss_at[k][-1] < horizon]
                 if stale:
-                    return [min(stale, key=lambda k: self.refs[k][-1])]
+                    return [min(stale, key=lambda k: (self.miss_at[k][-1], self.refs[k][-1]))]
         return ready or list(self.refs)
 
 

@@ -47,7 +47,7 @@ FORMAT_KEY = b"C:format"
 FORMAT = b"2"
 STATE_KEY = b"C:state"
 POLICY_KEY = b"C:policy"
-_STATE = struct.Struct("<qqqq")  # clock, bytes used, gap sum, gap count
+_STATE = struct.Struct("<qqqqq")  # clock, miss clock, bytes used, gap sum, gap count
 #: errnos that mean "this directory cannot take writes now", not a bug.
 _STEP_ASIDE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
@@ -115,9 +115,8 @@ class DiskTier:
         rebuild = found == b"1" or (found == FORMAT and self.index.get(POLICY_KEY) != identity)
         saved = self.index.get(STATE_KEY)
         if saved is not None and not rebuild:
-            clock, self.used, self.ranking.gap_sum, self.ranking.gap_count = (
-                _STATE.unpack(saved))
-            self.ranking.clock = clock
+            (self.ranking.clock, self.ranking.misses, self.used, self.ranking.gap_sum,
+             self.ranking.gap_count) = _STATE.unpack(saved)
         else:
             self._recover(rebuild)
         self.index[FORMAT_KEY] = FORMAT
@@ -364,8 +363,8 @@ class DiskTier:
                 ranking = self.ranking
                 # Bytes being written are not on disk: they are not counted as used.
                 self.index[STATE_KEY] = _STATE.pack(
-                    ranking.clock, self.used - sum(self.writing.values()), ranking.gap_sum,
-                    ranking.gap_count)
+                    ranking.clock, ranking.misses, self.used - sum(self.writing.values()),
+                    ranking.gap_sum, ranking.gap_count)
                 self.index.flush()
                 self.index.close()
             except Exception as exc:  # a full disk: what the WAL holds is recovered

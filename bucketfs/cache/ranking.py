@@ -6,14 +6,15 @@ LRFU's key is time-invariant), so the order only changes for an entry when it is
 referenced, and it can live in the index as keys that sort like the ranks:
 
     R + rank (8 order-preserving bytes per number) + entry   evict the lowest first
-    T + last reference (8 bytes, big-endian) + entry         cost-lrfu's "abandoned" rule
+    T + miss clock, clock at the last reference + entry      cost-lrfu's "abandoned" rule
 
 An entry's record (`E`, owned by disk.py), its rank key and its recency key change
 together in one WriteBatch, so a crash never leaves them disagreeing.
 
-What stays in Python is small: the clock, the sum and count of gaps between references
-(cost-lrfu's staleness horizon) and the entries still in their cool-down; an entry
-cools for `cooldown` references after its admission, so at most `cooldown` entries do.
+What stays in Python is small: the clocks (references and misses), the sum and count of
+gaps between references (cost-lrfu's staleness horizon) and the entries still in their
+cool-down; an entry cools for `cooldown` references after its admission, so at most
+`cooldown` entries do.
 
 Not thread-safe: the SSD tier calls it under its lock.
 """
@@ -44,11 +45,12 @@ class IndexRanking:
         self.index = index
         self.policy = policy
         self.clock = 0
+        self.misses = 0
         self.gap_sum = 0
         self.gap_count = 0
         #: entry -> the clock at its admission, for entries still in their cool-down.
         self.cooling: dict[bytes, int] = {}
-        self.rank_width = 8 * len(policy.rank(policy.new_state(1, 0.0, 1)))
+        self.rank_width = 8 * len(policy.rank(policy.new_state(1, 0.0, 1, 1)))
         #: The index key through which `victim()` last found its entry.
         self.victim_key = b""
 
@@ -59,7 +61,8 @@ class IndexRanking:
 
     @staticmethod
     def _recency_key(entry: bytes, state: EntryState) -> bytes:
-        return RECENCY + max(state.last, 0).to_bytes(8, "big") + entry
+        return (RECENCY + max(state.last_miss, 0).to_bytes(8, "big")
+                + max(state.last, 0).to_bytes(8, "big") + entry)
 
     def _put_keys(self, batch: WriteBatch, entry: bytes, state: EntryState) -> None:
         batch.put(self._rank_key(entry, state), b"")
@@ -82,7 +85,8 @@ class IndexRanking:
                  cost: float) -> tuple[float, ...]:
         """A new entry; returns the state to save in its record."""
         self.clock += 1
-        state = self.policy.new_state(size, cost, self.clock)
+        self.misses += 1
+        state = self.policy.new_state(size, cost, self.clock, self.misses)
         self._put_keys(batch, entry, state)
         if self.policy.cooldown > 0:
             self.cooling[entry] = self.clock
@@ -95,7 +99,7 @@ class IndexRanking:
         state = self.policy.state_from(size, cost, saved)
         self._delete_keys(batch, entry, state)
         self._count_gap(state, -1)
-        self.policy.reference_state(state, self.clock)
+        self.policy.reference_state(state, self.clock, self.misses)
         self._count_gap(state, 1)
         self._put_keys(batch, entry, state)
         return self.policy.saved(state)
@@ -113,6 +117,7 @@ class IndexRanking:
         they are being rebuilt (`batch` given)."""
         state = self.policy.state_from(size, cost, saved)
         self.clock = max(self.clock, state.admitted, state.last)
+        self.misses = max(self.misses, state.last_miss)
         self._count_gap(state, 1)
         if batch is not None:
             self._put_keys(batch, entry, state)
@@ -126,10 +131,10 @@ class IndexRanking:
             del self.cooling[entry]
         if self.policy.stale_after > 0 and self.gap_count:
             key = self._first_not_cooling(RECENCY, fallback=False)
-            stale = self.clock - self.policy.stale_after * self.gap_sum / self.gap_count
+            stale = self.misses - self.policy.stale_after * self.gap_sum / self.gap_count
             if key is not None and int.from_bytes(key[1:9], "big") < stale:
                 self.victim_key = key
-                return key[9:]
+                return key[17:]
         key = self._first_not_cooling(RANK, fallback=True)
         if key is None:
             return None
@@ -139,7 +144,7 @@ class IndexRanking:
     def _first_not_cooling(self, prefix: bytes, *, fallback: bool) -> bytes | None:
         """The first key under `prefix` whose entry is not in its cool-down; with
         `fallback`, the first key if all are cooling (the budget must still be kept)."""
-        width = 8 if prefix == RECENCY else self.rank_width
+        width = 16 if prefix == RECENCY else self.rank_width
         first = None
         it = self.index.iter()
         it.seek(prefix)
