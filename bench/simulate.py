@@ -1,7 +1,8 @@
 """Trace-driven comparison of the eviction policies, against Belady's MIN:
 
     python -m bench.simulate [--out bench/results] [--seed 0] [--trace NAME ...]
-                             [--set POLICY.PARAM=VALUE ...]
+                             [--set POLICY.PARAM=VALUE ...] [--fraction F ...]
+                             [--no-hinted]
 
 Models one cache tier of a given byte capacity that admits every object on a miss (one
 larger than the whole tier is fetched but not admitted), making room first by evicting
@@ -14,6 +15,15 @@ byte by origin (1x = 100 MB/s), and the policy is told the cost of each object i
 Traces: shuffled (one job, multi-epoch), sweep (4 jobs on one dataset), mixed (three
 datasets from origins of different cost), skewed (weighted sampling with replacement),
 shift (skewed, hot set changes halfway), switch (one job's dataset, then another's).
+
+Hinted eviction (prefetch/future.py) is replayed next to them: `HintedPolicy` over
+cost-lrfu (its --set parameters), told each job's order of an epoch when the epoch starts
+(as `HintSampler` does), its reader's position following the reads (each read is
+attributed to its job), the scheduler's window at 1/8 of the cache protecting the next
+reads, each job ended after its last read (as its hint socket closes). Two rows:
+`hinted`, a tier that evicts before it admits (as the RAM tier does), and
+`hinted-decline`, a tier that admits first and may then evict the newcomer (it declines
+to cache it), as MIN may. Below each table: their hit ratios over MIN's.
 
 MIN evicts the cached object whose next use is farthest in the future (an object never
 used again first), and may evict the one it just admitted, i.e. not cache it. With equal
@@ -42,12 +52,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bucketfs.prefetch.eviction import POLICIES, EvictionPolicy, make_policy
+from bucketfs.prefetch.future import HintedPolicy, NextUse
+from bucketfs.prefetch.scheduler import PrefetchScheduler
 
 FRACTIONS = (0.10, 0.25, 0.50, 0.75, 0.90)
 POLICY_ORDER = ("lru", "lfu", "lrfu", "cost-lrfu")
 #: Seconds per byte at 1x: a 100 MB/s origin.
 SECONDS_PER_BYTE = 1e-8
 BATCH = 32
+#: The hinted replays' window, as a fraction of the cache.
+HINTED_WINDOW = 1 / 8
+HINTED = ("hinted", "hinted-decline")
+
+#: (read index, job, order): the job announces an epoch's order before that read.
+Announcements = list[tuple[int, int, list[int]]]
 
 
 @dataclass
@@ -57,6 +75,9 @@ class Trace:
     keys: list[int]  # the objects read, in order
     sizes: list[int]  # by object id
     costs: list[float]  # seconds to fetch, by object id
+    orders: Announcements = field(default_factory=list)
+    #: The job of each read; empty: all reads are job 0's.
+    jobs: list[int] = field(default_factory=list)
 
     @property
     def working_set(self) -> int:
@@ -100,36 +121,59 @@ class _Objects:
         return list(range(first, first + files))
 
 
-def _epochs(rng: random.Random, files: Sequence[int], epochs: int) -> list[int]:
-    order: list[int] = []
+def _epochs(rng: random.Random, files: Sequence[int], epochs: int) -> list[list[int]]:
+    orders: list[list[int]] = []
     for _ in range(epochs):
         perm = list(files)
         rng.shuffle(perm)  # a new permutation each epoch, as a shuffling sampler does
-        order.extend(perm)
-    return order
+        orders.append(perm)
+    return orders
 
 
-def _interleave(rng: random.Random, jobs: Sequence[list[int]], batch: int = BATCH) -> list[int]:
-    """Jobs advance a batch at a time; the next batch comes from a random unfinished job."""
+def _one_job(epochs: Sequence[list[int]]) -> tuple[list[int], Announcements]:
+    """The reads of one job's epochs in turn, and its announcements."""
+    keys: list[int] = []
+    orders: Announcements = []
+    for epoch in epochs:
+        orders.append((len(keys), 0, epoch))
+        keys.extend(epoch)
+    return keys, orders
+
+
+def _interleave(rng: random.Random, jobs: Sequence[Sequence[list[int]]],
+                batch: int = BATCH) -> tuple[list[int], list[int], Announcements]:
+    """Jobs (each a list of epochs) advance a batch at a time; the next batch comes from
+    a random unfinished job. Returns the reads, the job of each, and the announcements
+    (each epoch's order just before its first read)."""
+    flat = [[key for epoch in epochs for key in epoch] for epochs in jobs]
+    starts = [[sum(map(len, epochs[:e])) for e in range(len(epochs))] for epochs in jobs]
     pos = [0] * len(jobs)
-    active = [i for i, job in enumerate(jobs) if job]
+    active = [i for i, job in enumerate(flat) if job]
     out: list[int] = []
+    owner: list[int] = []
+    orders: Announcements = []
     while active:
         i = rng.choice(active)
-        out.extend(jobs[i][pos[i]:pos[i] + batch])
+        chunk = flat[i][pos[i]:pos[i] + batch]
+        for e, start in enumerate(starts[i]):
+            if pos[i] <= start < pos[i] + len(chunk):
+                orders.append((len(out) + start - pos[i], i, jobs[i][e]))
+        out.extend(chunk)
+        owner.extend([i] * len(chunk))
         pos[i] += batch
-        if pos[i] >= len(jobs[i]):
+        if pos[i] >= len(flat[i]):
             active.remove(i)
-    return out
+    return out, owner, orders
 
 
 def trace_shuffled(seed: int) -> Trace:
     rng = random.Random(seed)
     objs = _Objects(rng)
     files = objs.dataset(5000, 1.0)
+    keys, orders = _one_job(_epochs(rng, files, 5))
     return Trace("shuffled", "one job, ImageFolder of 5,000 files (lognormal, mean 110 KB), "
                  "5 epochs, a new permutation each epoch, 1x cost per byte",
-                 _epochs(rng, files, 5), objs.sizes, objs.costs)
+                 keys, objs.sizes, objs.costs, orders)
 
 
 def trace_sweep(seed: int) -> Trace:
@@ -137,9 +181,10 @@ def trace_sweep(seed: int) -> Trace:
     objs = _Objects(rng)
     files = objs.dataset(5000, 1.0)
     jobs = [_epochs(rng, files, 3) for _ in range(4)]
+    keys, owner, orders = _interleave(rng, jobs)
     return Trace("sweep", "hyper-parameter sweep: 4 jobs on one 5,000-file dataset, each "
                  "with its own shuffle, 3 epochs each, interleaved randomly by batch of 32",
-                 _interleave(rng, jobs), objs.sizes, objs.costs)
+                 keys, objs.sizes, objs.costs, orders, owner)
 
 
 def trace_mixed(seed: int) -> Trace:
@@ -150,10 +195,11 @@ def trace_mixed(seed: int) -> Trace:
     mid = objs.dataset(1000, 2.0)
     jobs = [_epochs(rng, near, 3), _epochs(rng, near, 3), _epochs(rng, far, 3),
             _epochs(rng, mid, 3)]
+    keys, owner, orders = _interleave(rng, jobs)
     return Trace("mixed", "three datasets, different origins: near (2,000 files, 1x cost "
                  "per byte) read by 2 jobs, far (2,000 files, 5x) by 1 job, mid (1,000 "
                  "files, 2x) by 1 job; 3 epochs each, interleaved randomly by batch of 32",
-                 _interleave(rng, jobs), objs.sizes, objs.costs)
+                 keys, objs.sizes, objs.costs, orders, owner)
 
 
 def _weighted(rng: random.Random, files: list[int], reads: int) -> list[int]:
@@ -167,9 +213,10 @@ def trace_skewed(seed: int) -> Trace:
     rng = random.Random(seed + 3)
     objs = _Objects(rng)
     files = objs.dataset(5000, 1.0)
+    keys, orders = _one_job([_weighted(rng, files, 30000)])  # one epoch of 30,000 draws
     return Trace("skewed", "weighted sampling with replacement over 5,000 files: 10% hot "
                  "files draw half the reads; 30,000 reads; 1x cost per byte",
-                 _weighted(rng, files, 30000), objs.sizes, objs.costs)
+                 keys, objs.sizes, objs.costs, orders)
 
 
 def trace_shift(seed: int) -> Trace:
@@ -178,9 +225,9 @@ def trace_shift(seed: int) -> Trace:
     files = objs.dataset(5000, 1.0)
     # A re-weighted curriculum: popularity learnt in the first half is wrong in the
     # second, so it has to fade.
+    keys, orders = _one_job([_weighted(rng, files, 15000), _weighted(rng, files, 15000)])
     return Trace("shift", "as skewed, but a new hot set after 15,000 of 30,000 reads",
-                 _weighted(rng, files, 15000) + _weighted(rng, files, 15000),
-                 objs.sizes, objs.costs)
+                 keys, objs.sizes, objs.costs, orders)
 
 
 def trace_switch(seed: int) -> Trace:
@@ -189,9 +236,12 @@ def trace_switch(seed: int) -> Trace:
     first = objs.dataset(2500, 1.0)
     second = objs.dataset(2500, 1.0)
     # DLCache's setting: a job ends, its dataset stays cached, the next job reads another.
+    keys, orders = _one_job(_epochs(rng, first, 5) + _epochs(rng, second, 5))
+    owner = [0] * (len(keys) // 2) + [1] * (len(keys) // 2)
+    orders = [(at, 0 if at < len(keys) // 2 else 1, order) for at, _, order in orders]
     return Trace("switch", "one job, 5 epochs over a 2,500-file dataset, then another job, "
                  "5 epochs over a different 2,500-file dataset; 1x cost per byte",
-                 _epochs(rng, first, 5) + _epochs(rng, second, 5), objs.sizes, objs.costs)
+                 keys, objs.sizes, objs.costs, orders, owner)
 
 
 TRACES: dict[str, Callable[[int], Trace]] = {
@@ -263,6 +313,57 @@ def simulate_min(trace: Trace, capacity: int, result: Result) -> Result:
     return result
 
 
+def simulate_hinted(trace: Trace, capacity: int, result: Result, params: dict[str, float],
+                    *, decline: bool) -> Result:
+    """Replay with `HintedPolicy` over cost-lrfu, each epoch's order announced as it
+    starts. `decline`: admit first, then evict (possibly the newcomer) as MIN does;
+    else make room first, as `simulate` does."""
+    sizes, costs = trace.sizes, trace.costs
+    plans = PrefetchScheduler(window_bytes=max(1, int(capacity * HINTED_WINDOW)),
+                              budget_bytes=max(1, capacity))
+    policy = HintedPolicy(make_policy("cost-lrfu", **params), NextUse(plans))
+    result.params = {**_settings(policy._all), "cost_tolerance": policy.cost_tolerance,
+                     "window_fraction": HINTED_WINDOW}
+    announcements = iter(trace.orders)
+    upcoming = next(announcements, None)
+    owner = trace.jobs or [0] * len(trace.keys)
+    last_read = {job: i for i, job in enumerate(owner)}
+    used = 0
+    for i, key in enumerate(trace.keys):
+        while upcoming is not None and upcoming[0] == i:
+            _, job, order = upcoming
+            plans.set_order(job, [(k, sizes[k]) for k in order])
+            upcoming = next(announcements, None)
+        plans.observe_read(key, owner[i])
+        if last_read[owner[i]] == i:
+            plans.end_job(owner[i])  # the job exits; the daemon sees its socket close
+        result.refs += 1
+        if key in policy:
+            result.hits += 1
+            policy.touch(key)
+            continue
+        size = sizes[key]
+        result.bytes_fetched += size
+        result.fetch_time_s += costs[key]
+        if size > capacity:
+            continue
+        if not decline:
+            while used + size > capacity:
+                used -= _evict(policy, sizes)
+        policy.admit(key, size, costs[key])
+        used += size
+        while used > capacity:
+            used -= _evict(policy, sizes)
+    return result
+
+
+def _evict(policy: EvictionPolicy, sizes: list[int]) -> int:
+    victim = policy.victim()
+    assert victim is not None, "policy is empty but the tier is full"
+    policy.remove(victim)
+    return sizes[victim]
+
+
 def _settings(policy: EvictionPolicy) -> dict[str, float]:
     """The parameters a policy runs with, defaults included, for the record."""
     names = ("cooldown", "p", "lam", "tolerance", "cost_tolerance", "stale_after")
@@ -270,7 +371,7 @@ def _settings(policy: EvictionPolicy) -> dict[str, float]:
 
 
 def run(traces: Iterable[Trace], policies: dict[str, dict[str, float]],
-        fractions: Sequence[float] = FRACTIONS) -> dict[str, dict]:
+        fractions: Sequence[float] = FRACTIONS, *, hinted: bool = True) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for trace in traces:
         ws = trace.working_set
@@ -281,6 +382,11 @@ def run(traces: Iterable[Trace], policies: dict[str, dict[str, float]],
                 policy = make_policy(name, **params)
                 result = Result(name, fraction, capacity, params=_settings(policy))
                 results.append(simulate(policy, trace, capacity, result))
+            if hinted and trace.orders:
+                for name in HINTED:
+                    results.append(simulate_hinted(
+                        trace, capacity, Result(name, fraction, capacity),
+                        policies.get("cost-lrfu", {}), decline=name == "hinted-decline"))
             results.append(simulate_min(trace, capacity, Result("MIN", fraction, capacity)))
         out[trace.name] = {
             "description": trace.description,
@@ -316,7 +422,21 @@ def markdown(report: dict[str, dict]) -> str:
                    f"{cells[policy, f]['fetch_time_s']:.1f} s" for f in fractions]
             lines.append(f"| {policy} | " + " | ".join(row) + " |")
         lines.append("")
+        for name in (p for p in HINTED if p in policies and "MIN" in policies):
+            lines.append(f"{name} / MIN at " + ", ".join(f"{f:.0%}" for f in fractions)
+                         + ": hit ratio " + _ratios(cells, name, "hit_ratio", fractions)
+                         + "; fetch time " + _ratios(cells, name, "fetch_time_s", fractions)
+                         + "  ")
+        if any(p in policies for p in HINTED):
+            lines.append("")
     return "\n".join(lines)
+
+
+def _ratios(cells: dict[tuple[str, float], dict], name: str, field: str,
+            fractions: Sequence[float]) -> str:
+    ratios = [cells[name, f][field] / cells["MIN", f][field] if cells["MIN", f][field]
+              else math.nan for f in fractions]
+    return ", ".join(f"{r:.3f}" for r in ratios)
 
 
 def _parse_sets(items: Sequence[str]) -> dict[str, dict[str, float]]:
@@ -345,11 +465,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="replay only these traces (repeatable; default all)")
     parser.add_argument("--set", action="append", default=[], metavar="POLICY.PARAM=VALUE",
                         help="a policy parameter, e.g. cost-lrfu.tolerance=3 (repeatable)")
+    parser.add_argument("--fraction", action="append", type=float, metavar="F",
+                        help="a cache size as a fraction of the working set (repeatable; "
+                        "default 0.1, 0.25, 0.5, 0.75, 0.9)")
+    parser.add_argument("--no-hinted", action="store_true",
+                        help="leave out the hinted policy's replays")
     args = parser.parse_args(argv)
+    if args.fraction and not all(0 < f <= 1 for f in args.fraction):
+        parser.error("--fraction wants values in (0, 1]")
 
     started = time.perf_counter()
     traces = [TRACES[name](args.seed) for name in (args.trace or TRACES)]
-    report = run(traces, _parse_sets(args.set))
+    report = run(traces, _parse_sets(args.set), args.fraction or FRACTIONS,
+                 hinted=not args.no_hinted)
     elapsed = time.perf_counter() - started
 
     argv_shown = list(sys.argv[1:] if argv is None else argv)

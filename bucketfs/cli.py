@@ -21,6 +21,8 @@ from bucketfs import __version__
 from bucketfs.backends.urls import BadUrl, parse_bucket_url
 from bucketfs.cache.admin import add_cache_commands, run_cache_command
 from bucketfs.config import OPTIONS, ConfigError, load_config
+from bucketfs.hints.cli import add_arguments as add_hint_arguments
+from bucketfs.hints.cli import run as run_hint
 from bucketfs.runtime import FSTYPE, default_log_file, mounted, state_dir
 
 PROG = "bucketfs"
@@ -72,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     umount.add_argument("--timeout", type=float, default=30.0,
                         help="seconds to wait for the daemon to exit (default 30)")
     add_cache_commands(commands)
+
+    hint = commands.add_parser(
+        "hint", help="tell a mount the order in which files will be read",
+        description="Send the daemon of MOUNT the order in which a job will read the files "
+                    "in FILE_OF_PATHS (see docs/HINTS.md). Prints the job id.",
+    )
+    add_hint_arguments(hint)
     return parser
 
 
@@ -81,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_mount(args)
     if args.command == "cache":
         return run_cache_command(args)
+    if args.command == "hint":
+        return run_hint(args)
     return cmd_umount(args)
 
 

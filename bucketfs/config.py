@@ -210,6 +210,19 @@ OPTIONS: tuple[Option, ...] = (
            "the kernel's own read-ahead for this mount (its bdi read_ahead_kb); larger "
            "means fewer, larger FUSE reads of big files. Set when mounting as root",
            '"4MiB"'),
+    Option("hints", "prefetch_window", parse_size, 256 * 1024**2,
+           "bytes a job's hinted files are fetched ahead of its reader (refilled when "
+           "half is read; at most half of ram_cache); 0 turns the hints socket off",
+           '"256MiB"'),
+    Option("hints", "prefetch_budget", parse_size, 512 * 1024**2,
+           "bytes in flight or fetched and not yet read, over all jobs together (at "
+           "most half of ram_cache)", '"512MiB"'),
+    Option("hints", "prefetch_connections", _positive_int, 12,
+           "parallel GETs of hinted prefetch (kept below origin.max_connections, so a "
+           "reader's own miss always finds a connection)", "12"),
+    Option("hints", "hints_group", _optional_str, None,
+           "a group (name or gid) whose members may also send hints; the mount owner "
+           "and root always may", None),
     Option("metrics", "metrics_port", _port, 0,
            "serve Prometheus metrics on this port (0: off)", "0"),
     Option("metrics", "metrics_address", _nonempty_str, "127.0.0.1",

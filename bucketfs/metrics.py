@@ -29,8 +29,21 @@ Metrics (labels in braces):
   bucketfs_readahead_prefetches_total         blocks read ahead
   bucketfs_readahead_inflight_bytes           bytes read-ahead has in flight now
   bucketfs_readahead_budget_bytes             most bytes read-ahead may have in flight
+  bucketfs_hints_orders_total                 access orders received on the hints socket
+  bucketfs_hints_files                        hinted files not yet read (all jobs' plans)
+  bucketfs_prefetch_started_total             hinted files whose prefetch started
+  bucketfs_prefetch_hits_total                opens that found their file prefetched
+  bucketfs_prefetch_late_total                opens that found its prefetch in flight
+  bucketfs_prefetch_wasted_total              prefetched files evicted before being read
+  bucketfs_prefetch_failed_total              prefetches that failed after the retries
+  bucketfs_prefetch_window_bytes              bytes planned ahead of the readers, unread
+  bucketfs_prefetch_inflight_bytes            bytes of prefetches in flight
+  bucketfs_prefetch_held_bytes                bytes prefetched and not yet read
 
-The ssd-tier series exist only when the mount has an SSD tier.
+The ssd-tier series exist only when the mount has an SSD tier; the hints and prefetch
+series only when hinted prefetch is on (hints.prefetch_window > 0). The prefetch values
+are a snapshot the trio thread refreshes at every event (the scheduler is not
+thread-safe).
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ from prometheus_client.utils import floatToGoString
 
 from bucketfs.backends.store import LatencyHistogram, ObjectStore
 from bucketfs.cache.tiered import BlockCache
+from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import Reader
 
 #: Where the metrics endpoint listens unless told otherwise: this host only.
@@ -79,15 +93,19 @@ def _cumulative(histogram: LatencyHistogram) -> list[tuple[str, float]]:
 class MountCollector(Collector):
     """Reads the counters of one mount's cache, object store and reader at scrape time."""
 
-    def __init__(self, cache: BlockCache, store: ObjectStore, reader: Reader) -> None:
+    def __init__(self, cache: BlockCache, store: ObjectStore, reader: Reader,
+                 prefetch: HintedPrefetch | None = None) -> None:
         self.cache = cache
         self.store = store
         self.reader = reader
+        self.prefetch = prefetch
 
     def collect(self) -> Iterator[Metric]:
         yield from self._cache()
         yield from self._origin()
         yield from self._readahead()
+        if self.prefetch is not None:
+            yield from self._hints(self.prefetch)
 
     def _cache(self) -> Iterator[Metric]:
         stats, ram, disk = self.cache.stats, self.cache.ram, self.cache.disk
@@ -166,10 +184,43 @@ class MountCollector(Collector):
             value=budget.limit)
 
 
-def build_registry(cache: BlockCache, store: ObjectStore, reader: Reader) -> CollectorRegistry:
+    def _hints(self, prefetch: HintedPrefetch) -> Iterator[Metric]:
+        # A snapshot the trio thread keeps current: the scheduler itself is not
+        # thread-safe, and scrapes come from the server's thread.
+        stats = prefetch.last_stats
+        yield CounterMetricFamily(
+            PREFIX + "hints_orders_total", "Access orders received on the hints socket.",
+            value=prefetch.orders)
+        yield GaugeMetricFamily(
+            PREFIX + "hints_files", "Hinted files not yet read, over all jobs' plans.",
+            value=stats.hinted_items)
+        for name, doc, value in (
+            ("prefetch_started_total", "Hinted files whose prefetch started.",
+             stats.prefetches_started),
+            ("prefetch_hits_total", "Opens that found their file already prefetched.",
+             stats.prefetch_hits),
+            ("prefetch_late_total", "Opens that found their file's prefetch still in flight.",
+             stats.late_prefetches),
+            ("prefetch_wasted_total", "Prefetched files evicted before they were read.",
+             stats.wasted_prefetches),
+            ("prefetch_failed_total", "Prefetches that failed after the retries.",
+             stats.failed_fetches),
+        ):
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        for name, doc, value in (
+            ("prefetch_window_bytes", "Bytes planned ahead of the readers and not yet read.",
+             stats.window_bytes),
+            ("prefetch_inflight_bytes", "Bytes of prefetches in flight.", stats.inflight_bytes),
+            ("prefetch_held_bytes", "Bytes prefetched and not yet read.", stats.held_bytes),
+        ):
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def build_registry(cache: BlockCache, store: ObjectStore, reader: Reader,
+                   prefetch: HintedPrefetch | None = None) -> CollectorRegistry:
     """A fresh registry holding only this mount's metrics (never the process-global one)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(MountCollector(cache, store, reader))
+    registry.register(MountCollector(cache, store, reader, prefetch))
     return registry
 
 

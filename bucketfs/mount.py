@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
+import grp
 import logging
 import math
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,14 +35,19 @@ from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.store import ObjectStore
 from bucketfs.backends.urls import BucketUrl
 from bucketfs.cache.admin import save_counters
+from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.disk import CacheDirError, CacheDirUnwritable, DiskTier
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config
 from bucketfs.fs import Operations
+from bucketfs.hints.location import socket_path
+from bucketfs.hints_server import HintsServerError, serve_hints
 from bucketfs.metrics import build_registry, start_metrics_server
 from bucketfs.namespace import Namespace
 from bucketfs.prefetch.eviction import EvictionPolicy, make_policy
+from bucketfs.prefetch.future import HintedPolicy, NextUse
+from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
 from bucketfs.runtime import FSTYPE, mounted, state_dir
 
@@ -190,9 +197,16 @@ async def _serve_namespace(
             warnings.append(f"{info.url} names no objects: the mount is empty")
     except BackendError as exc:
         raise MountError(str(exc)) from None
+    hints_gid = hints_group(config)
     async with trio.open_nursery() as nursery:
+        prefetch, ram_policy = None, eviction_policy(config)
+        if config.prefetch_window > 0:
+            prefetch = hinted_prefetch(namespace, config)
+            # Evict what the plans read farthest ahead; unhinted blocks by the policy.
+            ram_policy = HintedPolicy(ram_policy, NextUse(prefetch.scheduler),
+                                      key_of=_file_of_block)
         cache = BlockCache(
-            store, RamTier(config.ram_cache, eviction_policy(config)),
+            store, RamTier(config.ram_cache, ram_policy),
             disk, block_size=config.block_size, nursery=nursery,
         )
         reader = Reader(
@@ -200,10 +214,14 @@ async def _serve_namespace(
             ReadSettings(readahead_max=config.readahead_max),
             nursery,
         )
+        if prefetch is not None:
+            prefetch.attach(cache)
+            reader.on_open = prefetch.observed_open
+            await nursery.start(prefetch.run)
         if config.metrics_port:
             try:
                 start_metrics_server(config.metrics_port, config.metrics_address,
-                                     build_registry(cache, store, reader))
+                                     build_registry(cache, store, reader, prefetch))
             except OSError as exc:
                 raise MountError(f"cannot serve metrics on {config.metrics_address}:"
                                  f"{config.metrics_port}: {exc.strerror}") from None
@@ -219,6 +237,8 @@ async def _serve_namespace(
             raise MountError(f"cannot mount on {info.mountpoint}: {exc}") from None
         try:
             _write_state(info.mountpoint)
+            if prefetch is not None:
+                await _serve_hints(nursery, info.mountpoint, prefetch, hints_gid, warnings)
             log.info("mounted %s on %s", info.url, info.mountpoint)
             for warning in warnings:
                 log.warning(warning)
@@ -239,6 +259,43 @@ async def _serve_namespace(
         if disk is not None:
             save_counters(disk.index, dataclasses.asdict(cache.stats))
         nursery.cancel_scope.cancel()
+
+
+def hinted_prefetch(namespace: Namespace, config: Config) -> HintedPrefetch:
+    # Prefetched bytes wait in RAM for their reader: they must not crowd out the rest.
+    room = max(1, config.ram_cache // 2)
+    return HintedPrefetch(
+        namespace, window_bytes=max(1, min(config.prefetch_window, room)),
+        budget_bytes=max(1, min(config.prefetch_budget, room)),
+        connections=min(config.prefetch_connections, max(1, config.max_connections - 2)),
+        block_size=config.block_size,
+    )
+
+
+def hints_group(config: Config) -> int | None:
+    """The gid of `hints_group`, or None. A group that does not exist is a mount error."""
+    group = config.hints_group
+    if group is None:
+        return None
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise MountError(f"hints_group: no group named {group!r}") from None
+
+
+async def _serve_hints(nursery: trio.Nursery, mountpoint: str, prefetch: HintedPrefetch,
+                       gid: int | None, warnings: list[str]) -> None:
+    """Listen on the mount's hints socket; if that fails, the mount serves without."""
+    try:
+        await nursery.start(functools.partial(
+            serve_hints, socket_path(mountpoint), owner_uid=os.geteuid(), allowed_gid=gid,
+            on_order=prefetch.on_order, on_end=prefetch.on_end))
+    except HintsServerError as exc:
+        warnings.append(f"hints are off: {exc}")
+
+
+def _file_of_block(block: Hashable) -> Hashable:
+    return block.key if isinstance(block, BlockId) else block
 
 
 def eviction_policy(config: Config) -> EvictionPolicy:

@@ -13,6 +13,7 @@ flight; what has arrived is the RAM tier's to account for.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -72,8 +73,12 @@ class Reader:
         self.settings = settings
         self.nursery = nursery
         self.prefetches = 0
+        #: Told of every opened file (hinted prefetch follows the readers by it).
+        self.on_open: Callable[[str], None] | None = None
 
     def open(self, key: str, version: str, size: int) -> OpenFile:
+        if self.on_open is not None:
+            self.on_open(key)
         return OpenFile(ObjectRef(key, version, size), self.settings)
 
     async def read(self, handle: OpenFile, offset: int, length: int) -> bytes:

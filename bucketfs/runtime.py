@@ -2,30 +2,21 @@
 
 Each mount has a state directory under `$XDG_RUNTIME_DIR/bucketfs` (or
 `/tmp/bucketfs-UID`) named after its mountpoint; the daemon writes its pid there, so
-`bucketfs umount` can wait for it to finish.
+`bucketfs umount` can wait for it to finish, and listens for hints on `hints.sock`
+there (docs/HINTS.md).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-FSTYPE = "fuse.bucketfs"
+# The names are defined once, with the hints client (standard library only), so the
+# daemon and a training process running as another user agree on them.
+from bucketfs.hints.location import FSTYPE, read_mounts, runtime_root, state_dir
 
-
-def runtime_root() -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    if base and os.path.isdir(base) and os.access(base, os.W_OK):
-        return Path(base) / "bucketfs"
-    return Path(f"/tmp/bucketfs-{os.getuid()}")
-
-
-def state_dir(mountpoint: str) -> Path:
-    """The runtime directory of the mount at `mountpoint` (an absolute, real path)."""
-    digest = hashlib.sha256(mountpoint.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return runtime_root() / digest
+__all__ = ["FSTYPE", "MountEntry", "default_log_file", "mounted", "runtime_root",
+           "state_dir"]
 
 
 def default_log_file(mountpoint: str) -> str:
@@ -43,22 +34,10 @@ class MountEntry:
     device: str
 
 
-def _unescape(field: str) -> str:
-    # /proc/self/mountinfo escapes space, tab, newline and backslash as octal.
-    return (
-        field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
-        .replace("\\134", "\\")
-    )
-
-
 def mounted(mountpoint: str) -> MountEntry | None:
     """The mount at exactly `mountpoint`, if any (the last one stacked there)."""
     found = None
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields = left.split()
-            rest = right.split()
-            if len(fields) >= 5 and len(rest) >= 2 and _unescape(fields[4]) == mountpoint:
-                found = MountEntry(mountpoint, rest[0], _unescape(rest[1]), fields[2])
+    for mount in read_mounts():
+        if mount.mountpoint == mountpoint:
+            found = MountEntry(mount.mountpoint, mount.fstype, mount.source, mount.device)
     return found

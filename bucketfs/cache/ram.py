@@ -4,6 +4,8 @@ was already written through to it (see `tiered.BlockCache`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from bucketfs.cache.blocks import BlockId
 from bucketfs.prefetch.eviction import EvictionPolicy
 
@@ -16,6 +18,8 @@ class RamTier:
         self.costs: dict[BlockId, float] = {}
         self.used = 0
         self.evictions = 0
+        #: Told of each block evicted to make room (hinted prefetch counts waste by it).
+        self.on_evict: Callable[[BlockId], None] | None = None
 
     def get(self, block: BlockId) -> bytes | None:
         data = self.blocks.get(block)
@@ -33,6 +37,8 @@ class RamTier:
             assert victim is not None, "used > 0 means the policy ranks something"
             self.remove(victim)
             self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
         self.blocks[block] = data
         self.costs[block] = cost
         self.used += len(data)

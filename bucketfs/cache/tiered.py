@@ -100,6 +100,12 @@ class BlockCache:
             flight.done.set()
             del self.inflight[block]
 
+    def holds(self, block: BlockId) -> bool:
+        """Whether a tier holds the block (no I/O but one index read; trio thread)."""
+        if block in self.ram.blocks or block in self.writing:
+            return True
+        return self.disk is not None and block in self.disk
+
     async def _lookup(self, obj: ObjectRef, block: BlockId) -> bytes:
         queued = self.writing.get(block)
         if queued is not None:  # evicted from RAM while its write to SSD is under way

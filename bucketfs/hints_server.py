@@ -1,0 +1,300 @@
+"""The daemon's end of the hints socket (docs/HINTS.md).
+
+One request per connection: the peer's credentials are checked, one frame is read
+within a deadline (a slow client cannot hold a slot), validated, handed to `on_order` /
+`on_end` in the trio thread, and answered. Nothing a client sends can crash the daemon:
+every bad request gets an error reply and is logged once per distinct reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from bucketfs.hints.protocol import (
+    HEADER_SIZE,
+    End,
+    Message,
+    Order,
+    ProtocolError,
+    Reply,
+    decode_body,
+    encode,
+    error_reply,
+    parse_header,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 16
+#: Seconds a client has to send its header; its body gets this plus length / MIN_RATE.
+READ_TIMEOUT = 10.0
+MIN_RATE = 8 << 20
+#: Bodies larger than this are read and decoded one at a time, in a worker thread, so
+#: sixteen clients cannot make the daemon hold 16 x 256 MiB, and a million paths do not
+#: stall the FUSE handlers in the trio thread while they are checked.
+BIG_BODY = 1 << 20
+_MAX_LOGGED = 256
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+
+
+class HintsServerError(Exception):
+    """The hints socket cannot be served; the message is one line."""
+
+
+class _Server:
+    def __init__(self, owner_uid: int, allowed_gid: int | None,
+                 on_order: Callable[[Order], object], on_end: Callable[[str], object],
+                 read_timeout: float) -> None:
+        self.owner_uid = owner_uid
+        self.allowed_gid = allowed_gid
+        self.on_order = on_order
+        self.on_end = on_end
+        self.read_timeout = read_timeout
+        self.big_bodies = trio.CapacityLimiter(1)
+        self.logged: set[str] = set()
+
+    def log_once(self, reason: str) -> None:
+        # Bounded, so that distinct garbage cannot grow the set without end.
+        if reason not in self.logged and len(self.logged) < _MAX_LOGGED:
+            self.logged.add(reason)
+            log.warning("hints: %s", reason)
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            refusal = self.refusal(stream.socket)
+            if refusal is not None:
+                self.log_once(refusal)
+                await self.reply(stream, error_reply(refusal))
+                return
+            try:
+                message = await self.receive(stream)
+            except ProtocolError as exc:
+                self.log_once(f"bad request: {exc}")
+                await self.reply(stream, error_reply(str(exc)))
+                return
+            except trio.TooSlowError:
+                self.log_once("a client was too slow to send its request")
+                await self.reply(stream, error_reply("timed out reading the request"))
+                return
+            except (trio.BrokenResourceError, ConnectionError):
+                return
+            if message is not None:
+                await self.reply(stream, self.dispatch(message))
+
+    def refusal(self, sock: trio.socket.SocketType) -> str | None:
+        """Why this peer may not send hints, or None if it may."""
+        pid, uid, gid = _UCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        if uid in (0, self.owner_uid):
+            return None
+        if self.allowed_gid is not None and (
+            gid == self.allowed_gid or self.allowed_gid in _peer_groups(sock, pid)
+        ):
+            return None
+        group = f" nor in group {self.allowed_gid}" if self.allowed_gid is not None else ""
+        return f"permission denied: uid {uid} is not the mount owner{group}"
+
+    async def receive(self, stream: trio.SocketStream) -> Message | None:
+        """One request, or None if the peer left without sending a byte (a probe)."""
+        with trio.fail_after(self.read_timeout):
+            header = await _receive(stream, HEADER_SIZE, "header", eof_ok=True)
+        if not header:
+            return None
+        kind, length = parse_header(header)  # refuses an oversize body before reading it
+        if length <= BIG_BODY:
+            return decode_body(kind, await self.body(stream, length))
+        async with self.big_bodies:
+            body = await self.body(stream, length)
+            return await trio.to_thread.run_sync(decode_body, kind, body)
+
+    async def body(self, stream: trio.SocketStream, length: int) -> bytearray:
+        with trio.fail_after(self.read_timeout + length / MIN_RATE):
+            return await _receive(stream, length, "body")
+
+    def dispatch(self, message: Message) -> Reply:
+        try:
+            if isinstance(message, Order):
+                self.on_order(message)
+            elif isinstance(message, End):
+                self.on_end(message.job)
+            else:
+                raise ValueError("a client may not send a REPLY")
+        except ValueError as exc:
+            self.log_once(f"request refused: {exc}")
+            return error_reply(str(exc))
+        except Exception:
+            # A bug in a handler must not take the mount down with it.
+            log.exception("hints: handling a %s failed", type(message).__name__)
+            return error_reply("internal error in the daemon")
+        return Reply(True)
+
+    async def reply(self, stream: trio.SocketStream, reply: Reply) -> None:
+        with trio.move_on_after(self.read_timeout), contextlib.suppress(
+            trio.BrokenResourceError, ConnectionError
+        ):
+            await stream.send_all(encode(reply))
+
+
+async def _receive(stream: trio.SocketStream, size: int, what: str, *,
+                   eof_ok: bool = False) -> bytearray:
+    """Exactly `size` bytes; with `eof_ok`, empty if the stream ends before the first."""
+    data = bytearray()
+    while len(data) < size:
+        chunk = await stream.receive_some(min(size - len(data), 1 << 20))
+        if not chunk:
+            if eof_ok and not data:
+                return data
+            raise ProtocolError(f"truncated {what}: {len(data)} of {size} bytes")
+        data += chunk
+    return data
+
+
+def _peer_groups(sock: trio.socket.SocketType, pid: int) -> set[int]:
+    """The peer's supplementary groups: from the socket (SO_PEERGROUPS, as they were at
+    connect time), else from /proc/PID/status."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * 4096)
+        return set(struct.unpack(f"{len(raw) // 4}I", raw))
+    except OSError:
+        pass
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()
+
+
+# --- The socket file -----------------------------------------------------------------
+
+
+def _prepare_directory(directory: Path, allowed_gid: int | None) -> None:
+    """The socket's directory is the mount's private state directory: ours, closed to
+    others, and open to the allowed group for traversal only."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = os.stat(directory)
+    if info.st_uid != os.geteuid():
+        raise HintsServerError(f"{directory} belongs to uid {info.st_uid}, not to this "
+                               "daemon")
+    if info.st_mode & 0o022:
+        raise HintsServerError(f"{directory} is writable by others; the hints socket "
+                               "needs a private directory")
+    if allowed_gid is not None:
+        os.chown(directory, -1, allowed_gid)
+        os.chmod(directory, 0o750)
+    else:
+        os.chmod(directory, 0o700)
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove a socket a dead daemon left; refuse to take over a live one's."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise HintsServerError(f"{path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)
+            return
+        except OSError as exc:
+            raise HintsServerError(f"cannot check the existing socket {path}: "
+                                   f"{exc.strerror or exc}") from None
+    raise HintsServerError(f"another daemon already serves hints at {path}")
+
+
+async def _listen(path: Path, allowed_gid: int | None) -> trio.socket.SocketType:
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        await sock.bind(str(path))
+        # Nobody can connect before listen(), so the mode is right before anyone can.
+        if allowed_gid is not None:
+            os.chown(path, -1, allowed_gid)
+        os.chmod(path, 0o660 if allowed_gid is not None else 0o600)
+        sock.listen(64)
+    except OSError as exc:
+        sock.close()
+        raise HintsServerError(f"cannot listen on {path}: {exc.strerror or exc}") from None
+    return sock
+
+
+async def serve_hints(
+    socket_path: str | os.PathLike[str],
+    *,
+    owner_uid: int,
+    allowed_gid: int | None = None,
+    on_order: Callable[[Order], object],
+    on_end: Callable[[str], object],
+    read_timeout: float = READ_TIMEOUT,
+    max_connections: int = MAX_CONNECTIONS,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve hints on `socket_path` until cancelled, then remove the socket file.
+
+    Connections are accepted from root, `owner_uid`, and members of `allowed_gid`.
+    `on_order(order)` and `on_end(job)` run in the trio thread; a ValueError they raise
+    becomes the client's error reply. Raises HintsServerError if the socket cannot be
+    served (for example, another live daemon listens there)."""
+    path = Path(socket_path)
+    try:
+        _prepare_directory(path.parent, allowed_gid)
+        _remove_stale(path)
+    except OSError as exc:
+        raise HintsServerError(f"cannot serve hints at {path}: {exc.strerror or exc}") from None
+    sock = await _listen(path, allowed_gid)
+    ours = os.stat(path).st_ino
+    server = _Server(owner_uid, allowed_gid, on_order, on_end, read_timeout)
+    slots = trio.Semaphore(max_connections)
+    try:
+        listener = trio.SocketListener(sock)
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            while True:
+                # Waiting for a slot before accepting leaves excess clients in the
+                # kernel's backlog instead of in our memory.
+                await slots.acquire()
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:
+                    # Out of file descriptors or memory: wait, never take the mount down.
+                    slots.release()
+                    server.log_once(f"cannot accept a connection: {exc.strerror or exc}")
+                    await trio.sleep(0.1)
+                    continue
+                except BaseException:
+                    slots.release()
+                    raise
+                nursery.start_soon(_serve_one, server, stream, slots)
+    finally:
+        sock.close()
+        # Only our own socket: a newer daemon may have replaced it.
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == ours:
+                path.unlink()
+
+
+async def _serve_one(server: _Server, stream: trio.SocketStream,
+                     slots: trio.Semaphore) -> None:
+    try:
+        await server.handle(stream)
+    except Exception:
+        # A bug in one connection's handling must not take the mount down with it.
+        log.exception("hints: serving a connection failed")
+    finally:
+        slots.release()

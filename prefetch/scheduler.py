@@ -1,0 +1,607 @@
+"""What to fetch next when the readers' future order is known (hinted prefetch).
+
+Each training job sends the order in which it will read the files of an epoch. The
+scheduler keeps one `Plan` per job: that order, and where the job's reader is in it. It
+answers one question, `next_fetches(limit)`: which objects to start fetching now.
+
+The policy:
+
+- The reader's position follows observed reads, never the clock: `observe_read(key)`
+  finds the key at or a little beyond the position (within `lookahead` items), so
+  several DataLoader workers reading the items of a few batches out of order still
+  advance the job. The position is the first item not yet read; items read ahead of it
+  are remembered until it catches up. An item left unread more than `lookahead` / 2
+  items behind the newest read counts as skipped (the kernel's page cache served it, or
+  the dataset skipped it), so the position never sticks. `lookahead` must exceed twice
+  the spread of the readers' reads (workers x prefetch_factor x batch size); the
+  default, 2048 items, covers 8 workers x 2 batches of 64 twice over.
+- Several jobs reading the same files: the daemon should say which job read
+  (`observe_read(key, job)`). Without that, a read advances every job that has the key
+  within its look-ahead, and one job's reads can mark another's items as read early.
+- The window (DELI, proxy prefetch): the items from the position up to the job's
+  frontier are planned: fetched, in flight, or about to be. Their unread bytes stay
+  within `window_bytes`. The window is topped up to `window_bytes` only once the reader
+  has consumed half of it (DELI's best setting: fetch size = threshold = half), so
+  fetches are started in groups, not one per read. An item already in the cache is part
+  of the window too: the window is "data ready ahead of the reader".
+- The budget: bytes in flight plus bytes fetched by prefetch and not yet read, over all
+  jobs together, stay within `budget_bytes` (one object larger than the budget may go
+  when nothing else is held, so a huge file cannot stall the plan forever).
+- Priorities: keys a reader is blocked on (`demand`) first, ignoring window and budget;
+  then planned items nearest to their job's reader (distance in items), merged across
+  jobs so equal distances alternate between jobs: a job with a huge order cannot starve
+  another. A key is never started twice: not while in flight, not once fetched, and not
+  when `is_cached(key)` says the cache already holds it. Jobs that plan the same key
+  share one fetch.
+- A new order for a job (`set_order`) replaces its plan; what only the old plan wanted
+  and has not started is dropped, and the keys in flight that no plan wants any more
+  are returned so the daemon can cancel them.
+
+`AdaptiveConcurrency` says how many GETs to keep in flight (DLCache: enough workers
+that t_fetch / t_req of them cover the reader; here: as many as still raise the
+throughput), from fetch durations passed in with their timestamps.
+
+Everything is pure and deterministic: no clocks, no I/O, no threads. The daemon calls it
+from one thread (trio's), between awaits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from array import array
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from dataclasses import dataclass
+
+__all__ = [
+    "AdaptiveConcurrency",
+    "Plan",
+    "PrefetchScheduler",
+    "PrefetchStats",
+]
+
+Key = Hashable
+Order = Iterable[tuple[Key, int]]
+
+DEFAULT_LOOKAHEAD = 2048
+
+
+class Plan:
+    """One job's hinted order (keys with their sizes in bytes) and its reader's place in
+    it. Positions are absolute indices into the order and never change while the plan
+    lives, which is what lets `future.HintedPolicy` keep heaps keyed on them. The
+    scheduler owns and updates it; `future.NextUse` only reads it."""
+
+    __slots__ = ("_index", "epoch_items", "frontier", "job", "keys", "pending", "position",
+                 "read_ahead", "sizes", "unread_bytes")
+
+    def __init__(self, job: Hashable, order: Order) -> None:
+        self.job = job
+        self.keys: list[Key] = []
+        self.sizes = array("q")
+        # key -> its position, or the sorted list of its positions when it occurs more
+        # than once (sampling with replacement); one int per key keeps 1M paths small.
+        self._index: dict[Key, int | list[int]] = {}
+        #: The first position not yet read (nor given up as skipped).
+        self.position = 0
+        #: Positions read beyond `position`, until the position catches up with them.
+        self.read_ahead: set[int] = set()
+        #: Positions below it have been planned (the window is [position, frontier)).
+        self.frontier = 0
+        #: Bytes of the unread items in the window.
+        self.unread_bytes = 0
+        #: Heap of planned positions whose key may still need a fetch (checked lazily).
+        self.pending: list[int] = []
+        #: Items in the latest order given (one epoch, as the job announces them).
+        self.epoch_items = 0
+        self.extend(order)
+
+    def extend(self, order: Order) -> None:
+        """Append items (the next epoch, known early) after the current ones."""
+        first = len(self.keys)
+        for key, size in order:
+            if size < 0:
+                raise ValueError(f"negative size for {key!r}")
+            position = len(self.keys)
+            self.keys.append(key)
+            self.sizes.append(size)
+            found = self._index.get(key)
+            if found is None:
+                self._index[key] = position
+            elif isinstance(found, int):
+                self._index[key] = [found, position]
+            else:
+                found.append(position)
+        self.epoch_items = len(self.keys) - first
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    @property
+    def remaining(self) -> int:
+        """Items not read yet."""
+        return len(self.keys) - self.position - len(self.read_ahead)
+
+    def is_read(self, position: int) -> bool:
+        return position < self.position or position in self.read_ahead
+
+    def next_position(self, key: Key, limit: int | None = None) -> int | None:
+        """The first unread position of `key` at or after the reader's position and
+        before `limit` (no limit: anywhere ahead); None if there is none."""
+        found = self._index.get(key)
+        if found is None:
+            return None
+        end = len(self.keys) if limit is None else min(limit, len(self.keys))
+        if isinstance(found, int):
+            ok = self.position <= found < end and found not in self.read_ahead
+            return found if ok else None
+        i = bisect.bisect_left(found, self.position)
+        while i < len(found) and found[i] < end:
+            if found[i] not in self.read_ahead:
+                return found[i]
+            i += 1
+        return None
+
+    def in_window(self, position: int) -> bool:
+        return self.position <= position < self.frontier
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchStats:
+    """A snapshot for the metrics endpoint. Gauges first, then counters since start."""
+
+    #: Items still ahead of the readers, over all plans.
+    hinted_items: int
+    #: Unread bytes planned ahead of the readers (the jobs' windows together).
+    window_bytes: int
+    inflight_bytes: int
+    #: Bytes fetched by prefetch that a plan still waits to read (charged to the budget).
+    held_bytes: int
+    #: Reads that found their data already fetched by prefetch.
+    prefetch_hits: int
+    #: Reads that arrived while their prefetch was still in flight.
+    late_prefetches: int
+    #: Prefetched objects evicted before anyone read them.
+    wasted_prefetches: int
+    prefetches_started: int
+    demand_fetches_started: int
+    failed_fetches: int
+
+
+def _never_cached(key: Key) -> bool:
+    return False
+
+
+class PrefetchScheduler:
+    """The plan of what to fetch next, for several jobs at once. See the module
+    docstring for the policy.
+
+    Who calls what:
+    - the hint server, when a job sends an order: `set_order` (a new epoch),
+      `append_order` (the next epoch, known early), `end_job` (its connection closed:
+      until then `future.HintedPolicy` expects the job to read its files again next
+      epoch); all three return keys in flight that nobody needs any more: cancel them;
+    - the read path, once per file read (on the first read of an open handle), before
+      the cache lookup: `observe_read(key)`; on a miss it is about to wait for:
+      `demand(key, size)`;
+    - the prefetch task, whenever a fetch ends, an order arrives or a read was observed
+      (the window refills as the reader moves): `next_fetches(limit)` with `limit` =
+      the concurrency target minus the fetches in flight, then for each key it started
+      exactly one of `fetched`, `failed` or `cancelled`;
+    - the cache, when an object leaves it entirely (no tier holds it any more):
+      `evicted(key)`.
+
+    `is_cached(key)` is asked just before a key would be started; it must say whether
+    the cache (any tier) already holds the whole object. It is the one way the scheduler
+    learns about data it did not fetch itself (read by a reader, or kept from an earlier
+    epoch).
+    """
+
+    def __init__(self, *, window_bytes: int, budget_bytes: int,
+                 lookahead: int = DEFAULT_LOOKAHEAD,
+                 is_cached: Callable[[Key], bool] = _never_cached) -> None:
+        if window_bytes <= 0 or budget_bytes <= 0 or lookahead <= 0:
+            raise ValueError("window_bytes, budget_bytes and lookahead must be > 0")
+        self.window_bytes = window_bytes
+        self.budget_bytes = budget_bytes
+        self.lookahead = lookahead
+        self.is_cached = is_cached
+        self.plans: dict[Hashable, Plan] = {}
+        #: Bumped whenever a plan is added, replaced, extended or dropped; positions
+        #: within a plan never change, so this is all `future.NextUse` needs to watch.
+        self.plans_version = 0
+        self._claims: dict[Key, int] = {}  # key -> unread window slots holding it
+        self._inflight: dict[Key, tuple[int, bool]] = {}  # key -> (bytes, for a demand)
+        self._held: dict[Key, int] = {}  # fetched by us, still claimed -> bytes
+        self._demand: dict[Key, int] = {}  # keys readers wait on, oldest first -> bytes
+        # Prefetches in flight that lost their last claim during the current order
+        # change (a read releasing a claim is not one: a reader waits on that fetch).
+        self._orphans: list[Key] = []
+        self.inflight_bytes = 0
+        self.held_bytes = 0
+        self.prefetch_hits = 0
+        self.late_prefetches = 0
+        self.wasted_prefetches = 0
+        self.prefetches_started = 0
+        self.demand_fetches_started = 0
+        self.failed_fetches = 0
+
+    # -- orders -----------------------------------------------------------------------
+    def set_order(self, job: Hashable, order: Order) -> list[Key]:
+        """Install or replace `job`'s plan (a new epoch). Returns the keys in flight
+        that no plan wants any more (cancel them, then report `cancelled`)."""
+        self._orphans.clear()
+        old = self.plans.pop(job, None)
+        if old is not None:
+            self._drop_window(old)
+        plan = self.plans[job] = Plan(job, order)
+        self.plans_version += 1
+        self._refill(plan)
+        return self._take_orphans()
+
+    def append_order(self, job: Hashable, order: Order) -> list[Key]:
+        """Extend `job`'s plan with the order after it (the next epoch, known early);
+        like `set_order` when the job has no plan."""
+        plan = self.plans.get(job)
+        if plan is None:
+            return self.set_order(job, order)
+        self._orphans.clear()
+        plan.extend(order)
+        self.plans_version += 1
+        self._refill(plan)
+        return self._take_orphans()
+
+    def end_job(self, job: Hashable) -> list[Key]:
+        """Forget `job`. Returns keys in flight that no plan wants any more."""
+        self._orphans.clear()
+        plan = self.plans.pop(job, None)
+        if plan is None:
+            return []
+        self._drop_window(plan)
+        self.plans_version += 1
+        return self._take_orphans()
+
+    # -- reads ------------------------------------------------------------------------
+    def observe_read(self, key: Key, job: Hashable | None = None) -> None:
+        """A reader started reading `key` (call once per file read, before the cache
+        lookup). Advances `job`, or when the daemon cannot tell which job read it, every
+        job whose order has the key within `lookahead` items of its position. Counts a
+        prefetch hit or a late prefetch. Keys in no plan only count."""
+        if key in self._held:
+            self.prefetch_hits += 1
+        elif key in self._inflight and not self._inflight[key][1]:
+            self.late_prefetches += 1
+        if job is None:
+            plans: Iterable[Plan] = self.plans.values()
+        else:
+            plan = self.plans.get(job)
+            plans = () if plan is None else (plan,)
+        for plan in plans:
+            position = plan.next_position(key, plan.position + self.lookahead)
+            if position is not None:
+                self._mark_read(plan, position)
+
+    def demand(self, key: Key, size: int) -> None:
+        """A reader waits on `key`, which is not cached: fetch it before anything else,
+        whatever the window and the budget. Nothing to do if it is already in flight."""
+        if key not in self._inflight:
+            self._demand[key] = size
+
+    # -- fetching ---------------------------------------------------------------------
+    def next_fetches(self, limit: int) -> list[Key]:
+        """Up to `limit` keys to start now, most urgent first; each is in flight from
+        now on until `fetched`, `failed` or `cancelled` is called for it."""
+        started: list[Key] = []
+        while self._demand and len(started) < limit:
+            key = next(iter(self._demand))
+            size = self._demand.pop(key)
+            if key in self._inflight or self.is_cached(key):
+                continue
+            self._start(key, size, demanded=True)
+            started.append(key)
+        if len(started) < limit:
+            self._start_planned(limit - len(started), started)
+        return started
+
+    def fetched(self, key: Key) -> None:
+        """A fetch started by `next_fetches` finished: the object is in the cache."""
+        entry = self._inflight.pop(key, None)
+        if entry is None:
+            return
+        size, _ = entry
+        self.inflight_bytes -= size
+        if self._claims.get(key) and key not in self._held:
+            self._held[key] = size
+            self.held_bytes += size
+
+    def failed(self, key: Key) -> None:
+        """A fetch failed (after the store's own retries). Not planned again: the
+        reader's own read will try once more and report the error."""
+        if self._finish(key):
+            self.failed_fetches += 1
+
+    def cancelled(self, key: Key) -> None:
+        """A fetch was cancelled. If a plan wants the key again by now, it is re-planned."""
+        if self._finish(key) and self._claims.get(key):
+            self._replan(key)
+
+    def evicted(self, key: Key) -> None:
+        """The cache no longer holds `key` at all. If prefetch fetched it and it was not
+        read yet, that prefetch was wasted; a key still ahead of a reader is planned
+        again."""
+        size = self._held.pop(key, None)
+        if size is not None:
+            self.held_bytes -= size
+            self.wasted_prefetches += 1
+        if self._claims.get(key):
+            self._replan(key)
+
+    # -- metrics ----------------------------------------------------------------------
+    def stats(self) -> PrefetchStats:
+        return PrefetchStats(
+            hinted_items=sum(plan.remaining for plan in self.plans.values()),
+            window_bytes=sum(plan.unread_bytes for plan in self.plans.values()),
+            inflight_bytes=self.inflight_bytes,
+            held_bytes=self.held_bytes,
+            prefetch_hits=self.prefetch_hits,
+            late_prefetches=self.late_prefetches,
+            wasted_prefetches=self.wasted_prefetches,
+            prefetches_started=self.prefetches_started,
+            demand_fetches_started=self.demand_fetches_started,
+            failed_fetches=self.failed_fetches,
+        )
+
+    def in_flight(self) -> Iterator[Key]:
+        return iter(self._inflight)
+
+    def claimed(self, key: Key) -> bool:
+        """Whether some job's window still waits to read `key`."""
+        return bool(self._claims.get(key))
+
+    # -- internals --------------------------------------------------------------------
+    def _mark_read(self, plan: Plan, position: int) -> None:
+        if position < plan.frontier:
+            plan.unread_bytes -= plan.sizes[position]
+            self._release(plan.keys[position])
+        if position == plan.position:
+            plan.position += 1
+        else:
+            plan.read_ahead.add(position)
+        self._advance(plan, position - self.lookahead // 2)
+
+    def _advance(self, plan: Plan, floor: int) -> None:
+        """Move the position past items read ahead and past unread items before `floor`
+        (given up as skipped)."""
+        while plan.position < len(plan) and (plan.position in plan.read_ahead
+                                             or plan.position < floor):
+            position = plan.position
+            if position in plan.read_ahead:
+                plan.read_ahead.discard(position)
+            elif position < plan.frontier:
+                plan.unread_bytes -= plan.sizes[position]
+                self._release(plan.keys[position])
+            plan.position += 1
+        plan.frontier = max(plan.frontier, plan.position)
+        while plan.pending and plan.pending[0] < plan.position:
+            heapq.heappop(plan.pending)
+        self._refill(plan)
+
+    def _refill(self, plan: Plan) -> None:
+        # DELI: top up only once half the window has been consumed.
+        if plan.unread_bytes > self.window_bytes // 2:
+            return
+        while plan.frontier < len(plan):
+            position = plan.frontier
+            size = plan.sizes[position]
+            if position not in plan.read_ahead:
+                if plan.unread_bytes and plan.unread_bytes + size > self.window_bytes:
+                    break
+                key = plan.keys[position]
+                self._claims[key] = self._claims.get(key, 0) + 1
+                plan.unread_bytes += size
+                heapq.heappush(plan.pending, position)
+            plan.frontier += 1
+
+    def _drop_window(self, plan: Plan) -> None:
+        for position in range(plan.position, plan.frontier):
+            if position not in plan.read_ahead:
+                self._release(plan.keys[position])
+        plan.unread_bytes = 0
+        plan.pending.clear()
+
+    def _release(self, key: Key) -> None:
+        count = self._claims[key] - 1
+        if count:
+            self._claims[key] = count
+            return
+        del self._claims[key]
+        size = self._held.pop(key, None)
+        if size is not None:
+            self.held_bytes -= size  # read (or given up): the budget is free again
+        entry = self._inflight.get(key)
+        if entry is not None and not entry[1]:
+            self._orphans.append(key)
+
+    def _take_orphans(self) -> list[Key]:
+        orphans = [key for key in dict.fromkeys(self._orphans)
+                   if key in self._inflight and not self._claims.get(key)
+                   and not self._inflight[key][1]]
+        self._orphans.clear()
+        return orphans
+
+    def _replan(self, key: Key) -> None:
+        for plan in self.plans.values():
+            position = plan.next_position(key, plan.frontier)
+            if position is not None:
+                heapq.heappush(plan.pending, position)
+
+    def _finish(self, key: Key) -> bool:
+        entry = self._inflight.pop(key, None)
+        if entry is None:
+            return False
+        self.inflight_bytes -= entry[0]
+        return True
+
+    def _start(self, key: Key, size: int, *, demanded: bool) -> None:
+        self._inflight[key] = (size, demanded)
+        self.inflight_bytes += size
+        if demanded:
+            self.demand_fetches_started += 1
+        else:
+            self.prefetches_started += 1
+
+    def _head(self, plan: Plan) -> int | None:
+        """The plan's nearest planned position that still needs a fetch; drops the
+        ones that do not (read, in flight, fetched, cached)."""
+        pending = plan.pending
+        while pending:
+            position = pending[0]
+            key = plan.keys[position]
+            if (plan.is_read(position) or key in self._inflight or key in self._held
+                    or self.is_cached(key)):
+                heapq.heappop(pending)
+                continue
+            return position
+        return None
+
+    def _start_planned(self, limit: int, started: list[Key]) -> None:
+        # A k-way merge of the plans' pending heaps by distance from each reader; among
+        # equal distances the plan served fewer times in this call goes first.
+        served = dict.fromkeys(self.plans, 0)
+        order = {job: i for i, job in enumerate(self.plans)}
+        heads: list[tuple[int, int, int, Hashable]] = []
+        for job, plan in self.plans.items():
+            position = self._head(plan)
+            if position is not None:
+                heads.append((position - plan.position, 0, order[job], job))
+        heapq.heapify(heads)
+        while heads and limit > 0:
+            _, _, rank, job = heapq.heappop(heads)
+            plan = self.plans[job]
+            position = self._head(plan)  # another plan's start may have taken its key
+            if position is None:
+                continue
+            size = plan.sizes[position]
+            held = self.inflight_bytes + self.held_bytes
+            if held and held + size > self.budget_bytes:
+                return  # strict priority: nothing farther jumps the queue
+            heapq.heappop(plan.pending)
+            key = plan.keys[position]
+            self._start(key, size, demanded=False)
+            started.append(key)
+            limit -= 1
+            served[job] += 1
+            position = self._head(plan)
+            if position is not None:
+                heapq.heappush(heads, (position - plan.position, served[job], rank, job))
+
+
+class AdaptiveConcurrency:
+    """How many GETs to keep in flight: hill climbing on measured throughput.
+
+    Time is cut into periods of `period_s` (timestamps are passed in). At the end of a
+    period in which the fetches kept about `target` GETs busy (mean GETs in flight, the
+    sum of fetch durations over the period, at least `saturation` * target):
+    - after a step up, if the throughput grew by at least `min_gain`, step up again
+      (x `step`, at least +1, at most `maximum`); if not, the link is full: step back
+      to the level before, and hold there;
+    - while holding, probe one step up every `probe_every` saturated periods, in case
+      the link got faster.
+    A period with any failed fetch halves the target (at least `minimum`): errors and
+    throttling (S3 SlowDown) mean too many requests. A period where the GETs were not
+    kept busy says nothing about the link (the readers did not need more) and changes
+    nothing.
+
+    This is DLCache's rule (workers >= t_fetch / t_req) without knowing either time:
+    GETs are added while each addition still raises the bytes per second, which stops
+    near fetch latency * link bandwidth / object size. On a link whose throughput grows
+    with parallelism up to a cap, it settles at a level whose throughput is within
+    `min_gain` of the cap.
+    """
+
+    def __init__(self, *, minimum: int = 2, maximum: int = 64, initial: int | None = None,
+                 period_s: float = 1.0, min_gain: float = 0.05, step: float = 1.5,
+                 probe_every: int = 10, saturation: float = 0.75) -> None:
+        if not 1 <= minimum <= maximum:
+            raise ValueError("need 1 <= minimum <= maximum")
+        if period_s <= 0 or min_gain < 0 or step <= 1 or probe_every < 1:
+            raise ValueError("need period_s > 0, min_gain >= 0, step > 1, probe_every >= 1")
+        self.minimum = minimum
+        self.maximum = maximum
+        self.period_s = period_s
+        self.min_gain = min_gain
+        self.step = step
+        self.probe_every = probe_every
+        self.saturation = saturation
+        self.target = min(maximum, max(minimum, initial if initial is not None else minimum))
+        self._base_level = self.target  # the level to return to after a failed probe
+        self._base_throughput: float | None = None  # measured at _base_level
+        self._probing = False
+        self._fresh = True  # no measurement yet: climb at once
+        self._holding = 0  # saturated periods since the last move
+        self._period_start: float | None = None
+        self._bytes = 0
+        self._busy_s = 0.0
+        self._errors = 0
+
+    def record(self, started: float, finished: float, nbytes: int, *, ok: bool = True) -> int:
+        """One fetch ended (successfully or not). Returns the current target."""
+        self.update(finished)
+        if ok:
+            self._bytes += nbytes
+        else:
+            self._errors += 1
+        self._busy_s += max(0.0, finished - started)
+        return self.target
+
+    def update(self, now: float) -> int:
+        """Close the periods that ended by `now`. Returns the current target."""
+        if self._period_start is None:
+            self._period_start = now
+            return self.target
+        if now < self._period_start + self.period_s:
+            return self.target
+        self._close_period()
+        self._period_start += self.period_s
+        if now >= self._period_start + self.period_s:
+            # Idle periods in between carry no evidence: skip to the one holding `now`.
+            skipped = math.floor((now - self._period_start) / self.period_s)
+            self._period_start += skipped * self.period_s
+        return self.target
+
+    def _close_period(self) -> None:
+        busy = self._busy_s / self.period_s
+        throughput = self._bytes / self.period_s
+        errors = self._errors
+        self._bytes, self._busy_s, self._errors = 0, 0.0, 0
+        if errors:
+            self.target = max(self.minimum, self.target // 2)
+            self._base_level, self._base_throughput = self.target, None
+            self._probing, self._holding = False, 0
+            return
+        if busy < self.saturation * self.target:
+            return  # demand-limited: no evidence about the link
+        if self._probing:
+            self._probing = False
+            base = self._base_throughput or 0.0
+            if throughput >= base * (1 + self.min_gain):
+                self._base_level, self._base_throughput = self.target, throughput
+                self._step_up()
+            else:
+                self.target, self._holding = self._base_level, 0  # the link is full
+            return
+        self._base_level, self._base_throughput = self.target, throughput
+        self._holding += 1
+        if self._fresh or self._holding >= self.probe_every:
+            self._fresh = False
+            self._step_up()
+
+    def _step_up(self) -> None:
+        level = min(self.maximum, max(self.target + 1, math.ceil(self.target * self.step)))
+        self._holding = 0
+        if level > self.target:
+            self.target, self._probing = level, True
