@@ -1,0 +1,158 @@
+"""The daemon side of hints without FUSE: orders resolved through the namespace, one
+fetch per object however many jobs plan it, newer orders and ended jobs win, failures
+leave the reader's own read to report."""
+
+from __future__ import annotations
+
+import random
+
+import trio
+
+from bucketfs.backends.retry import RetryPolicy
+from bucketfs.backends.store import ObjectStore
+from bucketfs.cache.blocks import BlockId
+from bucketfs.cache.ram import RamTier
+from bucketfs.cache.tiered import BlockCache
+from bucketfs.hints.protocol import Order
+from bucketfs.namespace import Namespace
+from bucketfs.prefetch.eviction import make_policy
+from bucketfs.prefetch.future import HintedPolicy, NextUse
+from bucketfs.prefetcher import HintedPrefetch
+from bucketfs.reader import ByteBudget, Reader, ReadSettings
+from tests.membackend import MemoryBackend
+
+MiB = 1024**2
+
+
+def dataset(count: int = 60) -> dict[str, bytes]:
+    rng = random.Random(count)
+    return {f"train/c{i % 3}/{i:03d}.jpg": rng.randbytes(20_000 + i) for i in range(count)}
+
+
+def order(job: str, paths: list[str], epoch: int = 0) -> Order:
+    return Order(job=job, rank=0, world_size=1, epoch=epoch, paths=paths)
+
+
+async def with_daemon(backend: MemoryBackend, body, *, ram: int = 64 * MiB,
+                      window: int = 8 * MiB, connections: int = 4) -> None:
+    store = ObjectStore(backend, max_workers=8, retry=RetryPolicy(1))
+    namespace = Namespace(store, "train/")
+    prefetch = HintedPrefetch(namespace, window_bytes=window, budget_bytes=window,
+                              connections=connections, block_size=4 * MiB)
+    policy = HintedPolicy(make_policy(), NextUse(prefetch.scheduler),
+                          key_of=lambda b: b.key if isinstance(b, BlockId) else b)
+    async with trio.open_nursery() as nursery:
+        cache = BlockCache(store, RamTier(ram, policy), None, block_size=4 * MiB,
+                           nursery=nursery)
+        reader = Reader(cache, ByteBudget(64 * MiB), ReadSettings(), nursery)
+        prefetch.attach(cache)
+        reader.on_open = prefetch.observed_open
+        await nursery.start(prefetch.run)
+
+        async def read(path: str) -> bytes:
+            parent, _, name = path.rpartition("/")
+            node = await namespace.lookup((await namespace.lookup(1, parent)).inode, name)
+            handle = reader.open(node.key, node.version, node.size)
+            return await reader.read(handle, 0, node.size)
+
+        try:
+            await body(prefetch, read)
+        finally:
+            nursery.cancel_scope.cancel()
+    namespace.close()
+
+
+async def settle(prefetch: HintedPrefetch) -> None:
+    """Until orders are installed and fetches done: nothing changed for 50 ms."""
+    last, quiet = None, 0
+    while quiet < 5:
+        await trio.sleep(0.01)
+        stats = prefetch.scheduler.stats()
+        now = (len(prefetch._tasks), prefetch.scheduler.plans_version,
+               stats.prefetches_started, stats.failed_fetches, prefetch.unknown_paths)
+        quiet = quiet + 1 if now == last and not prefetch._tasks else 0
+        last = now
+
+
+def test_two_jobs_share_one_fetch_per_object_and_read_the_right_bytes():
+    objects = dataset()
+    backend = MemoryBackend(objects)
+    paths = [key.removeprefix("train/") for key in objects]
+
+    async def body(prefetch, read):
+        first, second = paths[:], paths[:]
+        random.Random(1).shuffle(first)
+        random.Random(2).shuffle(second)
+        prefetch.on_order(order("a", first))
+        prefetch.on_order(order("b", second))
+        await settle(prefetch)
+
+        async def job(sequence):
+            for path in sequence:
+                assert await read(path) == objects["train/" + path]
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(job, first)
+            nursery.start_soon(job, second)
+        stats = prefetch.scheduler.stats()
+        assert stats.prefetches_started == len(paths)
+        assert stats.prefetch_hits > 0
+
+    trio.run(with_daemon, backend, body)
+    assert backend.calls["get"] == len(objects)  # one GET per object for both jobs
+
+
+def test_paths_that_name_nothing_are_skipped_and_counted():
+    objects = dataset(9)
+    backend = MemoryBackend(objects)
+
+    async def body(prefetch, read):
+        prefetch.on_order(order("a", ["c0/000.jpg", "nope/1.jpg", "c1/missing.jpg", "c1"]))
+        await settle(prefetch)
+        assert prefetch.unknown_paths == 3
+        assert prefetch.scheduler.stats().prefetches_started == 1
+
+    trio.run(with_daemon, backend, body)
+
+
+def test_a_newer_order_and_the_end_of_a_job_win():
+    objects = dataset(30)
+    backend = MemoryBackend(objects)
+    paths = sorted(key.removeprefix("train/") for key in objects)
+
+    async def body(prefetch, read):
+        # Both arrive before the first is resolved: only the newer one is installed.
+        prefetch.on_order(order("a", paths[:10]))
+        prefetch.on_order(order("a", paths[10:20], epoch=1))
+        await settle(prefetch)
+        started = prefetch.scheduler.stats().prefetches_started
+        assert started == 10
+        assert {key for key in prefetch.objects} >= {"train/" + p for p in paths[10:20]}
+        plan = next(iter(prefetch.scheduler.plans.values()))
+        assert set(plan.keys) == {"train/" + p for p in paths[10:20]}
+        prefetch.on_end("a")
+        assert not prefetch.scheduler.plans
+        prefetch.on_order(order("b", paths[20:]))
+        prefetch.on_end("b")  # ended while its order is still being resolved
+        await settle(prefetch)
+        assert not prefetch.scheduler.plans
+        assert prefetch.scheduler.stats().prefetches_started == started
+
+    trio.run(with_daemon, backend, body)
+
+
+def test_a_failing_origin_fails_the_prefetch_not_the_daemon():
+    objects = dataset(6)
+    backend = MemoryBackend(objects)
+    broken = "train/c0/000.jpg"
+    backend.failures[broken] = -1  # every GET of it fails
+
+    async def body(prefetch, read):
+        prefetch.on_order(order("a", sorted(k.removeprefix("train/") for k in objects)))
+        await settle(prefetch)
+        assert prefetch.scheduler.stats().failed_fetches == 1
+        backend.failures.clear()
+        assert await read("c0/000.jpg") == objects[broken]  # the reader's own read works
+        assert await read("c1/001.jpg") == objects["train/c1/001.jpg"]
+
+    trio.run(with_daemon, backend, body)
