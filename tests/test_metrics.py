@@ -4,6 +4,7 @@ scrape time, the latency histogram counts every attempt, and /metrics is served.
 from __future__ import annotations
 
 import random
+import re
 import socket
 import urllib.request
 
@@ -11,6 +12,7 @@ import trio
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bucketfs import metrics as metrics_module
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
 from bucketfs.cache.blocks import BlockId, ObjectRef
@@ -202,3 +204,36 @@ def test_metrics_are_served_over_http():
     assert "bucketfs_cache_misses_total 1.0" in text
     assert 'bucketfs_origin_requests_total{kind="get"} 1.0' in text
     assert "python_gc" not in text  # our registry, not the process-global one
+
+
+def test_the_documented_list_is_exactly_what_a_mount_exports(tmp_path):
+    """bucketfs/metrics.py's docstring is the list users (and the Grafana dashboard) read."""
+    from bucketfs.namespace import Namespace
+    from bucketfs.prefetcher import HintedPrefetch
+
+    documented = set(re.findall(r"^\s+(bucketfs_[a-z_]+)", metrics_module.__doc__, re.M))
+    backend = MemoryBackend(objects())
+    out = {}
+
+    async def main():
+        disk = DiskTier(tmp_path / "cache", 16 * BLOCK, make_policy("lru"),
+                        namespace=backend.url)
+        async with trio.open_nursery() as nursery:
+            store = ObjectStore(backend, max_workers=4, retry=RetryPolicy(1))
+            cache = BlockCache(store, RamTier(BLOCK, make_policy("lru")), disk,
+                               block_size=BLOCK, nursery=nursery)
+            reader = Reader(cache, ByteBudget(4 * BLOCK), ReadSettings(), nursery)
+            namespace = Namespace(store, "")
+            prefetch = HintedPrefetch(namespace, window_bytes=BLOCK, budget_bytes=BLOCK,
+                                      connections=1, block_size=BLOCK)
+            prefetch.attach(cache)
+            registry = build_registry(cache, store, reader, prefetch)
+            out["names"] = {family.name for family in registry.collect()}
+            namespace.close()
+            nursery.cancel_scope.cancel()
+        disk.close()
+
+    trio.run(main)
+    # prometheus_client reports counters without their _total suffix.
+    exported = {n + "_total" if n + "_total" in documented else n for n in out["names"]}
+    assert exported == documented
