@@ -58,6 +58,10 @@ class OpenFile:
         self.window = SequentialWindow(obj.size, initial=initial, maximum=settings.readahead_max)
         #: Blocks below this index have been requested ahead (or read) already.
         self.next_block = 0
+        #: The last block read, kept only when the RAM tier cannot hold it (a RAM tier
+        #: smaller than a block): the kernel's next read of the same block must not
+        #: fetch it again.
+        self.last: tuple[int, bytes] | None = None
 
 
 class Reader:
@@ -97,11 +101,19 @@ class Reader:
         chunks = []
         for index in needed:
             start = index * self.block_size
-            data = await self.cache.get(obj, index)
+            data = await self._block(handle, index)
             chunks.append(data[max(offset, start) - start:min(end, start + len(data)) - start])
         data = b"".join(chunks)
         if len(data) != end - offset:  # blocks are exact; anything else is a bug
             raise RuntimeError(f"assembled {len(data)} bytes for a read of {end - offset}")
+        return data
+
+    async def _block(self, handle: OpenFile, index: int) -> bytes:
+        if handle.last is not None and handle.last[0] == index:
+            return handle.last[1]
+        data = await self.cache.get(handle.obj, index)
+        if len(data) > self.cache.ram.capacity:
+            handle.last = (index, data)
         return data
 
     def _read_ahead(self, handle: OpenFile, first: int, until: int) -> None:
@@ -110,6 +122,8 @@ class Reader:
         index = first
         while index * self.block_size < min(until, obj.size):
             start, end = block_span(obj.size, self.block_size, index)
+            if end - start > self.cache.ram.capacity:
+                break  # nowhere to keep it until the reader gets there: it would be fetched twice
             if not self.budget.try_acquire(end - start):
                 break
             self.nursery.start_soon(self._prefetch, obj, index, end - start)

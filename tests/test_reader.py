@@ -175,3 +175,22 @@ def test_changed_object_is_an_error_not_a_mix():
             await read_all(reader, handle)
 
     run(main)
+
+
+@pytest.mark.parametrize("ram", [0, 512 * KiB])
+def test_a_ram_tier_smaller_than_a_block_still_gets_each_block_once(ram):
+    # Nothing can be cached: read-ahead would fetch blocks only to drop them, and the
+    # kernel's several reads of one block would each fetch it again.
+    data = blob(5 * MiB + 7)
+    backend = MemoryBackend({"big": data, "small": data[:300 * KiB]})
+
+    async def main(nursery):
+        reader = make_reader(backend, nursery, ram=ram)
+        for key in ("big", "small"):
+            handle = reader.open(key, backend.version(key), len(backend.objects[key]))
+            assert await read_all(reader, handle) == backend.objects[key]
+        if ram == 0:
+            assert reader.prefetches == 0
+
+    run(main)
+    assert backend.calls["get"] == 6 + 1  # 6 blocks of "big", "small" whole
