@@ -217,9 +217,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("hints", "prefetch_budget", parse_size, 512 * 1024**2,
            "bytes in flight or fetched and not yet read, over all jobs together (at "
            "most half of ram_cache)", '"512MiB"'),
-    Option("hints", "prefetch_connections", _positive_int, 12,
-           "parallel GETs of hinted prefetch (kept below origin.max_connections, so a "
-           "reader's own miss always finds a connection)", "12"),
+    Option("hints", "prefetch_connections", _positive_int, 24,
+           "most parallel GETs of hinted prefetch; it starts with 8 and adds more while "
+           "they raise the throughput (kept below origin.max_connections, so a reader's "
+           "own miss always finds a connection)", "24"),
     Option("hints", "hints_group", _optional_str, None,
            "a group (name or gid) whose members may also send hints; the mount owner "
            "and root always may", None),
@@ -227,8 +228,8 @@ OPTIONS: tuple[Option, ...] = (
            "serve Prometheus metrics on this port (0: off)", "0"),
     Option("metrics", "metrics_address", _nonempty_str, "127.0.0.1",
            "address the metrics endpoint listens on", '"127.0.0.1"'),
-    Option("origin", "max_connections", _positive_int, 16,
-           "parallel requests to the bucket (worker threads and pooled connections)", "16"),
+    Option("origin", "max_connections", _positive_int, 32,
+           "parallel requests to the bucket (worker threads and pooled connections)", "32"),
     Option("origin", "connect_timeout", _positive_float, 10.0,
            "seconds to wait for a connection", "10"),
     Option("origin", "read_timeout", _positive_float, 30.0,

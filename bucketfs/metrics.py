@@ -21,6 +21,10 @@ Metrics (labels in braces):
   bucketfs_cache_ssd_writes_total             blocks written through to the SSD tier
   bucketfs_cache_ssd_writable                 1 while the SSD tier takes writes, else 0
   bucketfs_cache_write_queue_bytes            fetched bytes waiting to be written to SSD
+  bucketfs_cache_ssd_chunks                   chunk files: small files packed in read order
+  bucketfs_cache_ssd_packed_bytes             bytes of the files packed in chunk files
+  bucketfs_cache_ssd_chunk_reads_total        preads of chunk files (one also brings the
+                                              members after the one asked for)
   bucketfs_origin_requests_total{kind}        requests sent (get, head, list), retries included
   bucketfs_origin_retries_total               requests retried after a transient error
   bucketfs_origin_bytes_total                 bytes fetched from the origin
@@ -147,6 +151,19 @@ class MountCollector(Collector):
                 PREFIX + "cache_write_queue_bytes",
                 "Fetched bytes waiting to be written through to the SSD tier.",
                 value=self.cache.queued)
+            chunks = disk.chunks
+            yield GaugeMetricFamily(
+                PREFIX + "cache_ssd_chunks",
+                "Chunk files on the SSD tier (small files packed in read order).",
+                value=chunks.count)
+            yield GaugeMetricFamily(
+                PREFIX + "cache_ssd_packed_bytes",
+                "Bytes of the files packed in chunk files on the SSD tier.",
+                value=chunks.live_bytes)
+            yield CounterMetricFamily(
+                PREFIX + "cache_ssd_chunk_reads_total",
+                "Reads (preads) of chunk files; one also brings the members after the one "
+                "asked for.", value=chunks.reads)
 
     def _origin(self) -> Iterator[Metric]:
         counts = self.store.counts

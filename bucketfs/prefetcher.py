@@ -18,8 +18,11 @@ The read path tells the scheduler where each reader is: `Reader.open` calls
 SSD tier keeps are reported as `evicted`, so a prefetched file that had to go before it
 was read counts as wasted and is planned again.
 
-Concurrency: everything here runs in the trio thread; the scheduler is only touched
-between awaits.
+With an SSD tier, `ChunkPacking` (bucketfs/packer.py) lays the small files the readers
+open out into chunk files, in read order.
+
+Concurrency: everything here runs in the trio thread; the scheduler and the packers are
+only touched between awaits.
 """
 
 from __future__ import annotations
@@ -34,13 +37,17 @@ from bucketfs.cache.blocks import BlockId, ObjectRef
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.hints.protocol import Order
 from bucketfs.namespace import Namespace
-from bucketfs.prefetch.scheduler import PrefetchScheduler, PrefetchStats
+from bucketfs.packer import ChunkPacking, layout_tag
+from bucketfs.prefetch.scheduler import AdaptiveConcurrency, PrefetchScheduler, PrefetchStats
 
 log = logging.getLogger(__name__)
 
 #: Paths resolved between two checkpoints (a listed directory: one index read each).
 _RESOLVE_SLICE = 2048
-
+#: A plan whose reader has not moved for this long belongs to a job that died without
+#: saying so (kill -9): it is dropped, so its window stops holding the shared budget.
+PLAN_IDLE_S = 900.0
+_IDLE_CHECK_S = 30.0
 
 class HintedPrefetch:
     def __init__(
@@ -50,9 +57,15 @@ class HintedPrefetch:
         self.namespace = namespace
         self.block_size = block_size
         self.connections = max(1, connections)
+        # Start low and add GETs while they still raise the throughput (DLCache: enough
+        # fetches in flight to cover the link's latency), up to `connections`.
+        self.concurrency = AdaptiveConcurrency(
+            minimum=min(4, self.connections), maximum=self.connections,
+            initial=min(8, self.connections), period_s=0.5)
         self.scheduler = PrefetchScheduler(window_bytes=window_bytes,
                                            budget_bytes=budget_bytes, is_cached=self._cached)
         self.cache: BlockCache | None = None
+        self.packing: ChunkPacking | None = None
         #: Object key -> the version an order resolved it to (what prefetch fetches).
         self.objects: dict[str, ObjectRef] = {}
         self._tasks: dict[str, trio.CancelScope] = {}
@@ -70,13 +83,18 @@ class HintedPrefetch:
         """The cache exists after the RAM tier, whose policy needs the scheduler."""
         self.cache = cache
         cache.ram.on_evict = self._ram_evicted
+        if cache.disk is not None:
+            self.packing = ChunkPacking(cache, self.objects, self.block_size)
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            if self.packing is not None:
+                nursery.start_soon(self.packing.run)
+            nursery.start_soon(self._expire_idle_plans)
             task_status.started()
             while True:
-                free = self.connections - len(self._tasks)
+                free = self.concurrency.update(trio.current_time()) - len(self._tasks)
                 if free > 0:
                     for key in self.scheduler.next_fetches(free):
                         nursery.start_soon(self._fetch, key)
@@ -101,17 +119,24 @@ class HintedPrefetch:
         for plan in [j for j in self.scheduler.plans if isinstance(j, tuple) and j[0] == job]:
             self._generation[plan] = self._generation.get(plan, 0) + 1
             self._cancel(self.scheduler.end_job(plan))
+            if self.packing is not None:
+                self.packing.end(plan, forget=True)
         for pending in [j for j in self._generation if j[0] == job]:
             self._generation[pending] += 1  # an order still resolving is dropped
         self._poke()
 
     async def _install(self, job: tuple[str, int], order: Order, generation: int) -> None:
         resolved = await self._resolve(order.paths)
+        layout = b""
+        if self.packing is not None:  # a million keys: not in the trio thread
+            layout = await trio.to_thread.run_sync(layout_tag, resolved)
         if self._generation.get(job) != generation:
             return  # a newer order (or the job's end) arrived meanwhile
         log.info("hints: job %s rank %d epoch %d: %d files (%d paths not found)", order.job,
                  order.rank, order.epoch, len(resolved), len(order.paths) - len(resolved))
         self._cancel(self.scheduler.set_order(job, resolved))
+        if self.packing is not None:
+            self.packing.new_order(job, layout)
         self._poke()
 
     async def _resolve(self, paths: list[str]) -> list[tuple[str, int]]:
@@ -146,6 +171,11 @@ class HintedPrefetch:
 
     def observed_open(self, key: str) -> None:
         self.scheduler.observe_read(key)
+        if self.packing is not None:
+            for job, plan in self.scheduler.plans.items():
+                if key in plan:  # laid out with the first job that reads it
+                    self.packing.opened(key, job)
+                    break
         self._poke()
 
     # --- fetching -----------------------------------------------------------------------
@@ -175,6 +205,7 @@ class HintedPrefetch:
         assert self.cache is not None
         obj = self.objects[key]
         outcome = self.scheduler.cancelled
+        started = trio.current_time()
         with trio.CancelScope() as scope:
             self._tasks[key] = scope
             try:
@@ -189,5 +220,26 @@ class HintedPrefetch:
                 outcome = self.scheduler.failed
             finally:
                 del self._tasks[key]
+        if outcome != self.scheduler.cancelled:
+            self.concurrency.record(started, trio.current_time(), obj.size,
+                                    ok=outcome == self.scheduler.fetched)
         outcome(key)
         self._poke()
+
+    async def _expire_idle_plans(self) -> None:
+        seen: dict[Hashable, tuple[int, float]] = {}  # plan -> (position, since)
+        while True:
+            await trio.sleep(_IDLE_CHECK_S)
+            now = trio.current_time()
+            for job, plan in list(self.scheduler.plans.items()):
+                position, since = seen.get(job, (-1, now))
+                if plan.position != position:
+                    seen[job] = (plan.position, now)
+                elif now - since > PLAN_IDLE_S:
+                    log.info("hints: job %s has not read for %.0f s; dropping its plan",
+                             job[0] if isinstance(job, tuple) else job, now - since)
+                    self._cancel(self.scheduler.end_job(job))
+                    seen.pop(job, None)
+            for job in [j for j in seen if j not in self.scheduler.plans]:
+                del seen[job]
+            self._poke()

@@ -35,7 +35,7 @@ def test_file_values_and_flag_overrides(tmp_path):
     assert config.readahead_max == 16 * 1024**2
     assert config.metadata_ttl == 60
     assert config.addressing_style == "path"
-    assert config.max_connections == 16  # default
+    assert config.max_connections == 32  # default
 
 
 @pytest.mark.parametrize(

@@ -156,3 +156,26 @@ def test_a_failing_origin_fails_the_prefetch_not_the_daemon():
         assert await read("c1/001.jpg") == objects["train/c1/001.jpg"]
 
     trio.run(with_daemon, backend, body)
+
+
+def test_the_plan_of_a_job_that_stopped_reading_is_dropped():
+    from trio.testing import MockClock
+
+    from bucketfs.prefetcher import PLAN_IDLE_S
+
+    objects = dataset(12)
+    backend = MemoryBackend(objects)
+    paths = sorted(key.removeprefix("train/") for key in objects)
+
+    async def body(prefetch, read):
+        prefetch.on_order(order("alive", paths))
+        prefetch.on_order(order("dead", paths[::-1]))
+        await settle(prefetch)
+        assert len(prefetch.scheduler.plans) == 2
+        for path in paths:  # "alive" reads, slowly; "dead" never does
+            assert await read(path) == objects["train/" + path]
+            await trio.sleep(PLAN_IDLE_S / 8)
+        await trio.sleep(PLAN_IDLE_S / 2)
+        assert [job for job, _ in prefetch.scheduler.plans] == ["alive"]
+
+    trio.run(with_daemon, backend, body, clock=MockClock(autojump_threshold=0.01))

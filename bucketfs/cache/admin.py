@@ -5,8 +5,8 @@
 directory, and with its info log sent to a temporary directory, so looking never
 changes the cache. `clear` proves the directory is a bucketfs cache (an `index/` whose
 format key is set) and that no mount uses it (opening the index for writing takes
-RocksDB's LOCK, which fails while a mount holds it), then moves `data/` and `index/`
-aside into one trash directory and deletes that. Were a mount to start in the instant
+RocksDB's LOCK, which fails while a mount holds it), then moves `data/`, `chunks/` and
+`index/` aside into one trash directory and deletes that. Were a mount to start in the instant
 between the check and the move, the check is made again on the moved index, and
 everything is moved back if it is held.
 
@@ -29,6 +29,7 @@ from typing import Any
 
 from rocksdict import AccessType, Options, Rdict
 
+from bucketfs.cache.chunks import parse_packed
 from bucketfs.cache.disk import ENTRY, FORMAT_KEY, _parse_record
 from bucketfs.cache.listings import LISTED as LISTING
 
@@ -126,17 +127,21 @@ def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """What a cache directory holds. Works while a mount uses it.
 
     Keys: `directory`, `entries` and `bytes` (indexed blocks and their data bytes),
-    `block_files` and `file_bytes` (block files under data/, headers included),
+    `packed_entries` (those of them packed in chunk files), `block_files` and
+    `file_bytes` (block files under data/, headers included), `chunk_files` and
+    `chunk_bytes` (chunk files under chunks/, dead members and headers included),
     `index_bytes` (the RocksDB index on disk), `listings` (directory listings kept for
     remounts), `counters` (the totals saved by `save_counters`, {} if none)."""
     path = Path(directory)
     with _open_read_only(path) as index:
-        entries = data_bytes = 0
+        entries = data_bytes = packed_entries = 0
         for key, value in index.items(from_key=ENTRY):
             if not key.startswith(ENTRY):
                 break
             entries += 1
-            data_bytes += _parse_record(value)[0]
+            packed = parse_packed(value)
+            packed_entries += packed is not None
+            data_bytes += packed.length if packed is not None else _parse_record(value)[0]
         listings = 0
         for key in index.keys(from_key=LISTING):
             if not key.startswith(LISTING):
@@ -155,12 +160,16 @@ def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
                     except FileNotFoundError:
                         continue
                     block_files += 1
+    chunk_files, chunk_bytes = _tree_size(path / "chunks")
     return {
         "directory": str(path),
         "entries": entries,
         "bytes": data_bytes,
+        "packed_entries": packed_entries,
         "block_files": block_files,
         "file_bytes": file_bytes,
+        "chunk_files": chunk_files,
+        "chunk_bytes": chunk_bytes,
         "index_bytes": _tree_size(path / "index")[1],
         "listings": listings,
         "counters": counters,
@@ -182,6 +191,8 @@ def format_stats(d: dict[str, Any]) -> str:
         ("entries", f"{d['entries']:,}"),
         ("cached data", _human(d["bytes"])),
         ("block files", f"{d['block_files']:,} ({_human(d['file_bytes'])})"),
+        ("chunk files", f"{d.get('chunk_files', 0):,} ({_human(d.get('chunk_bytes', 0))}), "
+                        f"{d.get('packed_entries', 0):,} entries packed"),
         ("index", f"{_human(d['index_bytes'])}, {d['listings']:,} directory listings"),
     ]
     counters = d.get("counters") or {}
@@ -230,7 +241,7 @@ def clear_cache(directory: str | os.PathLike[str]) -> int:
     try:
         # data/ first: interrupted here, the index still names the cache, so clearing
         # again works; a mount would only find its entries missing (misses).
-        for name in ("data", "index"):
+        for name in ("data", "chunks", "index"):
             if (path / name).exists():
                 os.rename(path / name, trash / name)
                 moved.append(name)

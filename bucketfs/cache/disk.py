@@ -7,11 +7,15 @@ both, so a stale, foreign or damaged file is a miss, never wrong data.
 
 The index holds, per block, a record (`E` + entry: length, CRC, refetch cost and
 eviction state) and the block's place in the eviction order (ranking.py); nothing in
-Python grows with the number of blocks. A clean close saves the few totals (bytes
-used, the policy's clock and gap statistics) under `C:state`, which the next open reads
-and deletes: when it is missing, the last run crashed, so the open scans the records
-once to recount them and deletes block files nobody indexed (a crash between rename and
-index). A valid cache is never wiped.
+Python grows with the number of blocks. Small files may instead be packed into chunk
+files laid out in read order (chunks.py): their `E` record then says where in which
+chunk they are, and the chunk, not the entry, has a place in the eviction order.
+
+A clean close saves the few totals (bytes used, the policy's clock and gap statistics,
+the chunk totals) under `C:state` and `C:chunks`, which the next open reads and deletes:
+when they are missing, the last run crashed, so the open scans the records once to
+recount them and deletes block and chunk files nobody indexed (a crash between rename
+and index). A valid cache is never wiped.
 
 A full disk (ENOSPC), a read-only or unwritable directory make the tier step aside for
 writes with one warning; reads keep working from RAM and the origin. Blocking: called
@@ -32,6 +36,13 @@ from pathlib import Path
 from rocksdict import Options, Rdict, WriteBatch
 
 from bucketfs.cache.blocks import BlockId
+from bucketfs.cache.chunks import (
+    CHUNK_TOTALS_KEY,
+    ENTRY,
+    ChunkStore,
+    chunk_of_rank_name,
+    parse_packed,
+)
 from bucketfs.cache.ranking import IndexRanking
 from bucketfs.prefetch.eviction import RankedPolicy
 
@@ -40,11 +51,11 @@ log = logging.getLogger(__name__)
 MAGIC = b"BFSB1\n"
 _HEADER = struct.Struct("<IQI")  # entry-name length, data length, crc32
 _RECORD = struct.Struct("<QId")  # data length, crc32, cost
-ENTRY = b"E"
 CLOCK_KEY = b"C:clock"  # format 1 only
 FORMAT_KEY = b"C:format"
-#: 2: eviction order as index keys (ranking.py). A format-1 cache is upgraded in place.
-FORMAT = b"2"
+#: 2: eviction order as index keys (ranking.py). 3: chunk files (chunks.py). A format-1
+#: or -2 cache is upgraded in place; a format-2 build refuses a format-3 cache.
+FORMAT = b"3"
 STATE_KEY = b"C:state"
 POLICY_KEY = b"C:policy"
 _STATE = struct.Struct("<qqqqq")  # clock, miss clock, bytes used, gap sum, gap count
@@ -101,29 +112,36 @@ class DiskTier:
                                       "No space left"))
             raise (CacheDirUnwritable if unwritable else CacheDirError)(message) from None
         self.ranking = IndexRanking(self.index, policy)
+        self.chunks = ChunkStore(self)
         self._load()
 
     # --- startup ------------------------------------------------------------------------
 
     def _load(self) -> None:
         found = self.index.get(FORMAT_KEY)
-        if found not in (None, b"1", FORMAT):
+        if found not in (None, b"1", b"2", FORMAT):
             raise CacheDirError(f"{self.directory} holds a cache of another format; "
                                 "clear it with: bucketfs cache clear DIR")
         identity = self.policy.identity().encode()
         # Ranks saved by another policy (or format 1, which had none) are rebuilt.
-        rebuild = found == b"1" or (found == FORMAT and self.index.get(POLICY_KEY) != identity)
+        rebuild = found == b"1" or (found is not None and
+                                    self.index.get(POLICY_KEY) != identity)
         saved = self.index.get(STATE_KEY)
         if saved is not None and not rebuild:
             (self.ranking.clock, self.ranking.misses, self.used, self.ranking.gap_sum,
              self.ranking.gap_count) = _STATE.unpack(saved)
+            # Saved with the state at a clean close (absent: a format-2 cache, no chunks).
+            self.chunks.restore_totals(self.index.get(CHUNK_TOTALS_KEY))
         else:
             self._recover(rebuild)
         self.index[FORMAT_KEY] = FORMAT
         self.index[POLICY_KEY] = identity
         if saved is not None:
             # From now on a crash must look like one: the next open recounts.
-            self.index.delete(STATE_KEY)
+            batch = WriteBatch(raw_mode=True)
+            batch.delete(STATE_KEY)
+            batch.delete(CHUNK_TOTALS_KEY)
+            self.index.write(batch)
             self.index.flush_wal(True)
 
     def _recover(self, rebuild: bool) -> None:
@@ -134,6 +152,7 @@ class DiskTier:
             self.ranking.clock = int(struct.unpack("<d", clock)[0])
         if rebuild:
             self.ranking.clear_keys()
+        self.chunks.recover_chunks(rebuild)
         batch = WriteBatch(raw_mode=True) if rebuild else None
         indexed: set[str] = set()
         broken: list[bytes] = []
@@ -141,6 +160,11 @@ class DiskTier:
         for name, value in self.index.items(from_key=ENTRY):
             if not name.startswith(ENTRY):
                 break
+            packed = parse_packed(value)
+            if packed is not None:  # counted in its chunk's bytes
+                if not self.chunks.recover_member(packed):
+                    broken.append(name)  # its chunk is gone
+                continue
             try:
                 length, _, cost, state = _parse_record(value)
                 self.ranking.restored(batch, name[1:], length, cost, state)
@@ -156,7 +180,9 @@ class DiskTier:
             self.index.write(batch)
         for name in broken:
             self.index.delete(name)
+        self.chunks.finish_recovery()
         self.index.delete(CLOCK_KEY)
+        self.index.delete(CHUNK_TOTALS_KEY)
         self._sweep(indexed)
 
     def _sweep(self, indexed: set[str]) -> None:
@@ -185,6 +211,15 @@ class DiskTier:
     def _entry(self, block: BlockId) -> bytes:
         return block.encode(self.namespace)
 
+    def _block(self, entry: bytes) -> BlockId | None:
+        """The block an entry of this tier's bucket names (the inverse of `_entry`)."""
+        text = entry.decode("utf-8", "surrogateescape")
+        prefix = self.namespace + "\0"
+        if not text.startswith(prefix):
+            return None
+        key, version, index = text[len(prefix):].rsplit("\0", 2)
+        return BlockId(key, version, int(index))
+
     # --- reads --------------------------------------------------------------------------
 
     def __contains__(self, block: BlockId) -> bool:
@@ -192,21 +227,49 @@ class DiskTier:
 
     def get(self, block: BlockId) -> tuple[bytes, float] | None:
         """The block's bytes and its refetch cost, or None on a miss."""
+        found = self.get_run(block, 0)
+        return None if found is None else (found[0], found[1])
+
+    def get_run(self, block: BlockId, ahead: int,
+                ) -> tuple[bytes, float, list[tuple[BlockId, bytes, float]]] | None:
+        """Like `get`, and when the block is packed in a chunk that is being read in
+        order, the blocks after it in the chunk (at most `ahead` bytes), read with the
+        same pread and each checked: (block, bytes, cost)."""
         entry = self._entry(block)
         value = self.index.get(ENTRY + entry)
         if value is None:
             return None
+        packed = parse_packed(value)
+        if packed is not None:
+            found = self.chunks.read(entry, packed, ahead)
+            if found is None:
+                return None
+            data, following = found
+            return data, packed.cost, [(b, d, m.cost) for m, d in following
+                                       if (b := self._block(m.entry)) is not None]
         length, crc, cost, _ = _parse_record(value)
         data = self._read_verified(entry, length, crc)
         with self.lock:
             if data is None:
-                self._forget(entry)
+                now = self.index.get(ENTRY + entry)
+                if now is not None and parse_packed(now) is None:  # not packed meanwhile
+                    self._forget(entry)
                 return None
             try:
                 self._referenced(entry)
             except Exception as exc:  # the index cannot take writes: still a hit
                 self._step_aside(exc)
-        return data, cost
+        return data, cost, []
+
+    def packed_layout(self, block: BlockId) -> bytes | None:
+        """The layout tag of the chunk holding the block, None if it is not packed."""
+        value = self.index.get(ENTRY + self._entry(block))
+        packed = None if value is None else parse_packed(value)
+        return None if packed is None else packed.layout
+
+    def write_chunk(self, blocks: list[tuple[BlockId, bytes, float]], layout: bytes) -> bool:
+        """Pack these blocks, in this order, into one chunk file (chunks.py)."""
+        return self.chunks.write([(self._entry(b), d, c) for b, d, c in blocks], layout)
 
     def _referenced(self, entry: bytes) -> None:
         # Read again under the lock: it may have been evicted or ranked anew meanwhile.
@@ -270,6 +333,10 @@ class DiskTier:
         try:
             self._write_file(path, entry, data, crc)
             with self.lock:
+                if self.index.get(ENTRY + entry) is not None:  # packed in a chunk meanwhile
+                    self.used -= len(data)
+                    path.unlink(missing_ok=True)
+                    return True
                 batch = WriteBatch(raw_mode=True)
                 state = self.ranking.admitted(batch, entry, len(data), cost)
                 batch.put(ENTRY + entry, _record(len(data), crc, cost, state))
@@ -311,13 +378,15 @@ class DiskTier:
             victim = self.ranking.victim()
             if victim is None:
                 return False
-            length = self._forget(victim)
+            chunk = chunk_of_rank_name(victim)
+            length = self._forget(victim) if chunk is None else self.chunks.drop(chunk)
             if length is None:  # a rank key without a record: never written together
                 log.warning("cache: %s: the eviction order names a missing entry; "
                             "dropping it", self.directory)
                 self.index.delete(self.ranking.victim_key)
                 continue
-            self._path(victim).unlink(missing_ok=True)
+            if chunk is None:
+                self._path(victim).unlink(missing_ok=True)
             self.evictions += 1
             shortfall -= length
         return True
@@ -333,12 +402,21 @@ class DiskTier:
         value = self.index.get(ENTRY + entry)
         if value is None:
             return None
-        length, _, cost, state = _parse_record(value)
+        packed = parse_packed(value)
+        if packed is not None:
+            return self.chunks.forget_member(entry, packed)
         batch = WriteBatch(raw_mode=True)
         batch.delete(ENTRY + entry)
-        self.ranking.removed(batch, entry, length, cost, state)
+        length = self.release_block(batch, entry, value)
         self.index.write(batch)
         self.used -= length
+        return length
+
+    def release_block(self, batch: WriteBatch, entry: bytes, value: bytes) -> int:
+        """Add the removal of a block record's ranks to `batch` (the caller deletes or
+        replaces the record); its length. Lock held."""
+        length, _, cost, state = _parse_record(value)
+        self.ranking.removed(batch, entry, length, cost, state)
         return length
 
     def _step_aside(self, exc: Exception) -> None:
@@ -355,16 +433,20 @@ class DiskTier:
         entry = self._entry(block)
         with self.lock:
             if self._forget(entry) is not None:
-                self._path(entry).unlink(missing_ok=True)
+                self._path(entry).unlink(missing_ok=True)  # none if it was packed
 
     def close(self) -> None:
         with self.lock:
             try:
                 ranking = self.ranking
+                self.chunks.close()
+                batch = WriteBatch(raw_mode=True)
                 # Bytes being written are not on disk: they are not counted as used.
-                self.index[STATE_KEY] = _STATE.pack(
+                batch.put(STATE_KEY, _STATE.pack(
                     ranking.clock, ranking.misses, self.used - sum(self.writing.values()),
-                    ranking.gap_sum, ranking.gap_count)
+                    ranking.gap_sum, ranking.gap_count))
+                batch.put(CHUNK_TOTALS_KEY, self.chunks.totals())
+                self.index.write(batch)
                 self.index.flush()
                 self.index.close()
             except Exception as exc:  # a full disk: what the WAL holds is recovered

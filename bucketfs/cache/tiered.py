@@ -7,6 +7,11 @@ and a crash loses only writes still in the queue. The queue is bounded in bytes;
 fetch that finds it full waits for room, so a slow disk slows the reader down instead
 of silently dropping blocks.
 
+A small file packed in an SSD chunk (chunks.py) is read with the members after it when
+the read starts or continues a pass over the chunk: one pread brings them all, and they
+go into RAM, so a chunk laid out in read order is read once, sequentially. At most a
+quarter of the RAM tier's budget comes ahead per read.
+
 Concurrency (see docs/ARCHITECTURE.md): everything here runs in the trio thread except
 the SSD tier's calls, which run in worker threads behind `disk_limiter`. `inflight` maps
 a block to the one lookup under way for it (SSD read or GET); others wait on its Event.
@@ -38,6 +43,8 @@ class CacheStats:
     origin_bytes: int = 0
     single_flight_waits: int = 0
     disk_writes: int = 0
+    #: Blocks that came into RAM with the read of an earlier member of their SSD chunk.
+    disk_read_ahead: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -100,6 +107,14 @@ class BlockCache:
             flight.done.set()
             del self.inflight[block]
 
+    def held(self, block: BlockId) -> tuple[bytes, float] | None:
+        """The block's bytes and cost if RAM or the write-through queue has them; no
+        lookup, no counters, no change to the eviction order (trio thread)."""
+        data = self.ram.blocks.get(block)
+        if data is not None:
+            return data, self.ram.costs[block]
+        return self.writing.get(block)
+
     def holds(self, block: BlockId) -> bool:
         """Whether a tier holds the block (no I/O but one index read; trio thread)."""
         if block in self.ram.blocks or block in self.writing:
@@ -115,13 +130,18 @@ class BlockCache:
             self.ram.put(block, data, cost)
             return data
         if self.disk is not None:
-            found = await trio.to_thread.run_sync(self.disk.get, block,
+            found = await trio.to_thread.run_sync(self.disk.get_run, block,
+                                                  self.ram.capacity // 4,
                                                   limiter=self.disk_limiter)
             if found is not None:
-                data, cost = found
+                data, cost, following = found
                 self.stats.disk_hits += 1
                 self.stats.disk_bytes_served += len(data)
                 self.ram.put(block, data, cost)
+                for ahead, ahead_data, ahead_cost in following:
+                    if ahead not in self.ram.blocks:
+                        self.ram.put(ahead, ahead_data, ahead_cost)
+                        self.stats.disk_read_ahead += 1
                 return data
         start, end = block_span(obj.size, self.block_size, block.index)
         began = time.monotonic()

@@ -1,0 +1,480 @@
+"""Chunk files on the SSD tier (bucketfs/cache/chunks.py) as code: packing moves entries
+out of block files, reads are exact and checked, read-ahead follows a pass over a chunk,
+whole chunks are evicted, emptied chunks reclaimed, and the index survives a crash; the
+daemon-side packer (packer.ChunkPacking) lays out what readers read."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+from rocksdict import Options, Rdict
+
+from bucketfs.backends.retry import RetryPolicy
+from bucketfs.backends.store import ObjectStore
+from bucketfs.cache import admin
+from bucketfs.cache.blocks import BlockId, ObjectRef
+from bucketfs.cache.chunks import DATA_START
+from bucketfs.cache.disk import STATE_KEY, DiskTier
+from bucketfs.cache.ram import RamTier
+from bucketfs.cache.tiered import BlockCache
+from bucketfs.packer import ChunkPacking, layout_tag
+from bucketfs.prefetch.eviction import make_policy
+from tests.membackend import MemoryBackend
+
+KiB, MiB = 1024, 1024**2
+NS = "mem://bucket"
+LAYOUT_A, LAYOUT_B = b"layout-a", b"layout-b"
+
+
+def files(count: int, seed: int = 0, size: int = 100 * KiB) -> dict[BlockId, bytes]:
+    rng = random.Random(seed)
+    return {BlockId(f"img/{seed}-{i:04d}.jpg", "v1", 0): rng.randbytes(size + 17 * i)
+            for i in range(count)}
+
+
+def open_tier(directory: Path, capacity: int = 64 * MiB, policy: str = "cost-lrfu") -> DiskTier:
+    return DiskTier(directory, capacity, make_policy(policy), namespace=NS)
+
+
+def as_if_crashed(directory: Path) -> None:
+    """Make the last run look like one that did not close cleanly (kill -9)."""
+    index = Rdict(str(directory / "index"), Options(raw_mode=True))
+    index.delete(STATE_KEY)
+    index.close()
+
+
+def chunk_files(directory: Path) -> list[Path]:
+    return sorted((directory / "chunks").glob("*.chk"))
+
+
+def block_files(directory: Path) -> list[Path]:
+    return sorted((directory / "data").rglob("*.blk"))
+
+
+def forget_reads(disk: DiskTier) -> None:
+    """Close the open chunk files and forget the passes: the next read goes to disk."""
+    disk.chunks._files.close()
+    for chunk in range(disk.chunks.next_id):
+        disk.chunks._passes.forget(chunk)
+
+
+def pack(disk: DiskTier, blocks: dict[BlockId, bytes], layout: bytes = LAYOUT_A) -> bool:
+    return disk.write_chunk([(b, d, 0.01) for b, d in blocks.items()], layout)
+
+
+def totals(disk: DiskTier) -> tuple[int, int, int, int]:
+    return disk.used, disk.chunks.count, disk.chunks.data_bytes, disk.chunks.live_bytes
+
+
+def test_packing_moves_block_files_into_one_chunk_and_reads_are_exact(tmp_path):
+    directory = tmp_path / "cache"
+    blocks = files(8)
+    disk = open_tier(directory)
+    for block, data in blocks.items():
+        assert disk.put(block, data, 0.01)
+    used = disk.used
+    assert len(block_files(directory)) == 8
+    assert pack(disk, blocks)
+    assert disk.used == used == sum(map(len, blocks.values()))  # moved, not copied
+    assert not block_files(directory) and len(chunk_files(directory)) == 1
+    assert (disk.chunks.count, disk.chunks.live_bytes) == (1, used)
+    for block, data in blocks.items():
+        assert disk.get(block) == (data, 0.01)
+        assert disk.packed_layout(block) == LAYOUT_A
+    # A write-through that comes after the packing finds the entry stored.
+    first = next(iter(blocks))
+    assert disk.put(first, blocks[first], 0.01)
+    assert not block_files(directory) and disk.used == used
+    stats = None
+    disk.close()
+    stats = admin.cache_stats(directory)
+    assert (stats["entries"], stats["packed_entries"], stats["bytes"]) == (8, 8, used)
+    assert stats["chunk_files"] == 1 and stats["chunk_bytes"] == used + DATA_START
+    assert "8 entries packed" in admin.format_stats(stats)
+
+
+def test_a_pass_over_a_chunk_reads_the_members_after_it_in_the_same_pread(tmp_path):
+    blocks = files(6)
+    ordered = list(blocks)
+    disk = open_tier(tmp_path / "cache")
+    assert pack(disk, blocks)
+    data, cost, following = disk.get_run(ordered[0], 10 * MiB)
+    assert data == blocks[ordered[0]] and cost == 0.01
+    assert [(b, d) for b, d, _ in following] == [(b, blocks[b]) for b in ordered[1:]]
+    assert disk.chunks.reads == 1
+    # A read in the middle that continues no pass reads only itself ...
+    forget_reads(disk)
+    assert disk.get_run(ordered[3], 10 * MiB)[2] == []
+    # ... one that continues where the last read stopped takes the next ones, within
+    # the limit given.
+    limit = len(blocks[ordered[5]])
+    assert [b for b, _, _ in disk.get_run(ordered[4], limit)[2]] == [ordered[5]]
+    assert disk.get_run(ordered[0], 0)[2] == []
+    disk.close()
+
+
+def test_readers_of_members_a_pass_covers_share_its_pread(tmp_path, monkeypatch):
+    """DataLoader workers ask for neighbouring files at once: those a read-ahead covers
+    wait for its bytes (in flight or just done) instead of reading them again."""
+    blocks = files(6)
+    ordered = list(blocks)
+    disk = open_tier(tmp_path / "cache")
+    assert pack(disk, blocks)
+    gate, data_reads = threading.Event(), []
+    real_pread = os.pread
+
+    def slow_pread(fd: int, size: int, offset: int) -> bytes:
+        if offset >= DATA_START:  # not the header check
+            data_reads.append(offset)
+            gate.wait(5)
+        return real_pread(fd, size, offset)
+
+    monkeypatch.setattr(os, "pread", slow_pread)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(disk.get_run, ordered[0], 10 * MiB)
+        while not data_reads:
+            threading.Event().wait(0.01)
+        second = pool.submit(disk.get_run, ordered[2], 10 * MiB)
+        threading.Event().wait(0.1)
+        gate.set()
+        assert first.result()[0] == blocks[ordered[0]]
+        assert second.result() == (blocks[ordered[2]], 0.01, [])
+    assert disk.get(ordered[4]) == (blocks[ordered[4]], 0.01)  # from the pass just done
+    assert len(data_reads) == 1 and disk.chunks.reads == 1
+    monkeypatch.undo()
+    disk.close()
+
+
+def test_damaged_chunks_are_misses_never_wrong_bytes(tmp_path):
+    directory = tmp_path / "cache"
+    blocks = files(4)
+    ordered = list(blocks)
+    disk = open_tier(directory)
+    assert pack(disk, blocks)
+    (path,) = chunk_files(directory)
+    raw = bytearray(path.read_bytes())
+    second = DATA_START + len(blocks[ordered[0]])
+    raw[second + 5] ^= 0xFF  # a flipped bit in the second member
+    path.write_bytes(bytes(raw))
+    forget_reads(disk)
+    data, _, following = disk.get_run(ordered[0], 10 * MiB)
+    assert data == blocks[ordered[0]]
+    assert [b for b, _, _ in following] == ordered[2:]  # the damaged one left out
+    assert disk.get(ordered[1]) is None and ordered[1] not in disk  # its record dropped
+    assert disk.get(ordered[2]) == (blocks[ordered[2]], 0.01)
+    assert disk.chunks.live_bytes == sum(len(blocks[b]) for b in ordered if b != ordered[1])
+    # A file that is not the chunk its name says: the whole chunk goes.
+    raw[:6] = b"XXXXXX"
+    path.write_bytes(bytes(raw))
+    forget_reads(disk)
+    assert disk.get(ordered[3]) is None
+    assert all(b not in disk for b in ordered) and not path.exists()
+    assert totals(disk) == (0, 0, 0, 0)
+    disk.close()
+
+
+def test_whole_chunks_are_evicted_within_the_budget(tmp_path):
+    directory = tmp_path / "cache"
+    disk = open_tier(directory, capacity=3 * MiB, policy="lru")
+    written = []
+    for seed in range(6):  # six chunks of ~0.8 MiB into 3 MiB
+        blocks = files(8, seed)
+        assert pack(disk, blocks)
+        written.append(blocks)
+        assert disk.used <= disk.capacity
+    assert disk.evictions > 0
+    assert len(chunk_files(directory)) == disk.chunks.count < 6
+    for blocks in written:  # a chunk is kept or evicted whole
+        held = [disk.get(b) == (d, 0.01) for b, d in blocks.items()]
+        assert all(held) or not any(held)
+    assert all(b in disk for b in written[-1])
+    assert disk.used == disk.chunks.data_bytes == sum(
+        len(d) for blocks in written for b, d in blocks.items() if b in disk)
+    disk.close()
+
+
+def test_emptied_chunks_are_reclaimed_and_a_layout_is_not_written_twice(tmp_path):
+    directory = tmp_path / "cache"
+    blocks = files(8)
+    ordered = list(blocks)
+    disk = open_tier(directory)
+    assert pack(disk, blocks, LAYOUT_A)
+    assert pack(disk, blocks, LAYOUT_A)  # already laid out so: nothing to write
+    assert disk.chunks.count == 1 and disk.chunks.next_id == 1
+    # Laid out anew for another order: half now, half later.
+    assert pack(disk, {b: blocks[b] for b in reversed(ordered[:4])}, LAYOUT_B)
+    assert disk.chunks.count == 2 and len(chunk_files(directory)) == 2
+    half = sum(len(blocks[b]) for b in ordered[4:])
+    full = sum(map(len, blocks.values()))
+    assert disk.used == 2 * full - half  # the old chunk still holds dead bytes
+    assert disk.chunks.live_bytes == full
+    assert pack(disk, {b: blocks[b] for b in reversed(ordered[4:])}, LAYOUT_B)
+    assert disk.chunks.count == 2 and len(chunk_files(directory)) == 2  # the old one gone
+    assert totals(disk) == (full, 2, full, full)
+    for block, data in blocks.items():
+        assert disk.get(block) == (data, 0.01) and disk.packed_layout(block) == LAYOUT_B
+    disk.close()
+
+
+@pytest.mark.parametrize("crashed", [False, True])
+def test_reopen_counts_the_same_after_a_clean_close_or_a_crash(tmp_path, crashed):
+    directory = tmp_path / "cache"
+    disk = open_tier(directory, capacity=4 * MiB)
+    loose = files(5, seed=9)
+    for block, data in loose.items():
+        assert disk.put(block, data, 0.01)
+    packed = files(8, seed=1)
+    assert pack(disk, packed)
+    assert pack(disk, dict(list(packed.items())[:3]), LAYOUT_B)  # some dead bytes
+    before = totals(disk)
+    disk.close()
+    if crashed:
+        as_if_crashed(directory)
+    again = open_tier(directory, capacity=4 * MiB)
+    assert totals(again) == before
+    for block, data in {**loose, **packed}.items():
+        assert again.get(block) == (data, 0.01)
+    assert pack(again, files(3, seed=2))  # ids go on after the ones in use
+    assert again.chunks.count == 3 and len(chunk_files(directory)) == 3
+    again.close()
+
+
+def test_another_policy_rebuilds_the_chunks_ranks_too(tmp_path):
+    directory = tmp_path / "cache"
+    disk = open_tier(directory, capacity=2 * MiB)
+    old = files(8, seed=1)
+    assert pack(disk, old)
+    disk.close()
+    again = open_tier(directory, capacity=2 * MiB, policy="lru")  # ranks rebuilt
+    assert again.chunks.count == 1 and again.used == sum(map(len, old.values()))
+    assert pack(again, files(8, seed=2)) and pack(again, files(8, seed=3))
+    assert again.evictions >= 1 and again.used <= again.capacity
+    assert all(b not in again for b in old)  # the oldest chunk went, whole
+    again.close()
+
+
+def test_a_format_2_cache_opens_with_no_chunks(tmp_path):
+    directory = tmp_path / "cache"
+    blocks = files(3)
+    disk = open_tier(directory)
+    for block, data in blocks.items():
+        assert disk.put(block, data, 0.01)
+    disk.close()
+    index = Rdict(str(directory / "index"), Options(raw_mode=True))
+    index[b"C:format"] = b"2"
+    index.delete(b"C:chunks")  # a format-2 build did not save chunk totals
+    index.close()
+    again = open_tier(directory)
+    assert totals(again) == (sum(map(len, blocks.values())), 0, 0, 0)
+    assert pack(again, blocks) and again.chunks.count == 1
+    again.close()
+    index = Rdict(str(directory / "index"), Options(raw_mode=True))
+    assert index[b"C:format"] == b"3"  # a format-2 build now refuses it
+    index.close()
+
+
+def test_startup_after_a_crash_sweeps_unindexed_chunks_and_drops_lost_ones(tmp_path):
+    directory = tmp_path / "cache"
+    disk = open_tier(directory)
+    kept, lost = files(4, seed=1), files(4, seed=2)
+    assert pack(disk, kept) and pack(disk, lost)
+    disk.close()
+    lost_file = chunk_files(directory)[1]
+    lost_file.unlink()  # its file is gone: its records must go too
+    stray = directory / "chunks" / f"{99:016x}.chk"
+    stray.write_bytes(b"renamed, never indexed")
+    (directory / "chunks" / f"{98:016x}.chk.1f.tmp").write_bytes(b"half a chunk")
+    as_if_crashed(directory)
+    again = open_tier(directory)
+    assert [p.name for p in chunk_files(directory)] == [chunk_files(directory)[0].name]
+    assert len(os.listdir(directory / "chunks")) == 1
+    assert totals(again) == (sum(map(len, kept.values())), 1, *[sum(map(len, kept.values()))] * 2)
+    assert all(b not in again for b in lost) and all(b in again for b in kept)
+    again.close()
+
+
+def test_a_crash_before_the_index_leaves_no_trace(tmp_path, monkeypatch):
+    directory = tmp_path / "cache"
+    disk = open_tier(directory)
+    blocks = files(4)
+    for block, data in blocks.items():
+        assert disk.put(block, data, 0.01)
+
+    def crash(*args):
+        raise KeyboardInterrupt  # the process dies between rename and index
+
+    monkeypatch.setattr(disk.chunks, "_index", crash)
+    with pytest.raises(KeyboardInterrupt):
+        pack(disk, blocks)
+    monkeypatch.undo()
+    assert len(chunk_files(directory)) == 1  # renamed, unindexed
+    disk.index.close()  # no clean close
+    again = open_tier(directory)
+    assert not chunk_files(directory) and len(block_files(directory)) == 4
+    assert again.used == sum(map(len, blocks.values())) and again.chunks.count == 0
+    for block, data in blocks.items():
+        assert again.get(block) == (data, 0.01)
+    again.close()
+
+
+def test_concurrent_reads_packing_and_eviction_never_return_wrong_bytes(tmp_path):
+    directory = tmp_path / "cache"
+    disk = open_tier(directory, capacity=3 * MiB, policy="lru")
+    sets = [files(6, seed) for seed in range(8)]
+    everything = {b: d for blocks in sets for b, d in blocks.items()}
+    stop = threading.Event()
+    wrong = []
+
+    def reader(seed: int) -> int:
+        rng, hits = random.Random(seed), 0
+        while not stop.is_set():
+            block = rng.choice(list(everything))
+            found = disk.get_run(block, 2 * MiB)
+            if found is None:
+                continue
+            hits += 1
+            if found[0] != everything[block]:
+                wrong.append(block)
+            wrong.extend(b for b, d, _ in found[2] if d != everything[b])
+        return hits
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        readers = [pool.submit(reader, i) for i in range(3)]
+        rng = random.Random(5)
+        try:
+            for round_ in range(40):
+                blocks = rng.choice(sets)
+                chosen = dict(rng.sample(list(blocks.items()), 4))
+                pack(disk, chosen, bytes([round_ % 3]) * 8)
+                assert disk.used <= disk.capacity
+        finally:
+            stop.set()
+        assert sum(r.result() for r in readers) > 0
+    assert not wrong
+    used = totals(disk)
+    disk.close()
+    as_if_crashed(directory)
+    again = open_tier(directory, capacity=3 * MiB, policy="lru")
+    assert totals(again) == used
+    again.close()
+
+
+# --- the daemon side: ChunkPacking over a BlockCache -------------------------------------
+
+def run_cache(directory: Path, backend: MemoryBackend, body, *, ram: int = 64 * MiB):
+    async def main():
+        disk = open_tier(directory)
+        async with trio.open_nursery() as nursery:
+            store = ObjectStore(backend, max_workers=4, retry=RetryPolicy(1))
+            cache = BlockCache(store, RamTier(ram, make_policy()), disk,
+                               block_size=MiB, nursery=nursery)
+            try:
+                await body(cache)
+                await cache.flush()
+            finally:
+                nursery.cancel_scope.cancel()
+        disk.close()
+
+    trio.run(main)
+
+
+def dataset(count: int = 60) -> dict[str, bytes]:
+    rng = random.Random(count)
+    return {f"img/{i:04d}.jpg": rng.randbytes(100 * KiB + 31 * i) for i in range(count)}
+
+
+def refs(backend: MemoryBackend) -> dict[str, ObjectRef]:
+    return {k: ObjectRef(k, backend.version(k), len(d)) for k, d in backend.objects.items()}
+
+
+async def epoch(cache: BlockCache, packing: ChunkPacking, order: list[str],
+                objects: dict[str, ObjectRef], job=("job", 0)) -> None:
+    """What the daemon does for one hinted epoch: the order, then each open and read."""
+    packing.new_order(job, layout_tag((k, objects[k].size) for k in order))
+    for key in order:
+        packing.opened(key, job)
+        await cache.get(objects[key], 0)
+    await settle(packing)
+
+
+async def settle(packing: ChunkPacking) -> None:
+    with trio.fail_after(10):
+        while packing._receive.statistics().current_buffer_used \
+                or packing._receive.statistics().tasks_waiting_receive == 0:
+            await trio.sleep(0.01)
+
+
+def test_the_packer_lays_out_what_was_read_in_read_order(tmp_path):
+    backend = MemoryBackend(dataset())
+    objects = refs(backend)
+    order = sorted(objects)
+    random.Random(1).shuffle(order)
+    directory = tmp_path / "cache"
+    seen = {}
+
+    async def body(cache):
+        packing = ChunkPacking(cache, objects, MiB)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(packing.run)
+            await epoch(cache, packing, order, objects)
+            packing.end(("job", 0))  # the last, partial chunk
+            await settle(packing)
+            seen["chunks"] = cache.disk.chunks.count
+            seen["written"] = packing.chunks_written
+            nursery.cancel_scope.cancel()
+
+    run_cache(directory, backend, body)
+    size = sum(len(d) for d in backend.objects.values())
+    assert seen["chunks"] == seen["written"] == -(-size // (4 * MiB))
+    assert not block_files(directory)
+    assert backend.calls["get"] == 60
+
+    # A new daemon reads the next epoch in the same order: from chunks, one pread each.
+    async def again(cache):
+        for key in order:
+            assert await cache.get(objects[key], 0) == backend.objects[key]
+        seen["reads"] = cache.disk.chunks.reads
+        seen["ahead"] = cache.stats.disk_read_ahead
+
+    run_cache(directory, backend, again)
+    assert backend.calls["get"] == 60
+    assert seen["reads"] == seen["chunks"] and seen["ahead"] == 60 - seen["chunks"]
+
+
+def test_shuffled_epochs_are_not_rewritten_and_a_repeated_order_is_laid_out_anew(tmp_path):
+    backend = MemoryBackend(dataset(40))
+    objects = refs(backend)
+    first, second = sorted(objects), sorted(objects, reverse=True)
+    directory = tmp_path / "cache"
+    seen = []
+
+    async def body(cache):
+        packing = ChunkPacking(cache, objects, MiB)
+        disk = cache.disk
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(packing.run)
+            for order in (first, second, second, second):
+                await epoch(cache, packing, order, objects)
+                packing.end(("job", 0))
+                await settle(packing)
+                seen.append((packing.chunks_written, disk.chunks.count,
+                             disk.packed_layout(BlockId(first[0], objects[first[0]].version,
+                                                        0))))
+            nursery.cancel_scope.cancel()
+
+    run_cache(directory, backend, body, ram=1 * MiB)  # mostly read back from SSD
+    layout_1 = layout_tag((k, objects[k].size) for k in first)
+    layout_2 = layout_tag((k, objects[k].size) for k in second)
+    written, count, layouts = zip(*seen, strict=True)
+    assert layouts == (layout_1, layout_1, layout_2, layout_2)
+    # epoch 1 packs everything; 2 (a new order, a guess) moves nothing; 3 repeats the
+    # order, so the log is laid out anew and the old chunks reclaimed; 4 has nothing to do
+    assert written[1] == written[0] and written[3] == written[2] > written[1]
+    assert count[0] == count[2] == count[3] == len(chunk_files(directory))
+    assert backend.calls["get"] == 40

@@ -1,0 +1,155 @@
+"""Chunk packing end to end: a real mount of a file:// bucket with an SSD cache reads a
+hinted order, packs what it read into chunk files in that order, and after a remount
+serves the epoch from the chunks with one read per chunk; a kill -9 while chunks are
+being written never costs a wrong byte."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bucketfs.hints import send_order
+from bucketfs.runtime import state_dir
+from tests.mounting import bucketfs, force_unmount, mounted
+from tests.servers import free_ports
+from tests.test_fuse_hints import metrics
+
+KiB = 1024
+COUNT = 240
+
+
+@pytest.fixture(scope="module")
+def bucket(tmp_path_factory) -> tuple[str, dict[str, bytes]]:
+    """A file:// bucket of ~110 KB files: its URL and its objects."""
+    root = tmp_path_factory.mktemp("packed-bucket")
+    rng = random.Random(4)
+    files = {f"train/c{i % 3}/{i:04d}.jpg": rng.randbytes(rng.randrange(60, 160) * KiB)
+             for i in range(COUNT)}
+    for key, data in files.items():
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(data)
+    return f"file://{root}", files
+
+
+def drop_kernel_cache() -> None:
+    """So a pass reaches the daemon instead of the page cache."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def wait_for(port: int, ready: Callable[[dict[str, float]], bool],
+             timeout: float = 20) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(port)
+        if ready(values) or time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)
+
+
+def hint(mnt: Path, order: list[str], epoch: int, port: int) -> None:
+    orders = metrics(port).get("bucketfs_hints_orders_total", 0)
+    assert send_order([str(mnt / key) for key in order], epoch=epoch, job="packing-test",
+                      strict=True)
+    # Installed once the plan lists the files (the daemon resolves the paths first).
+    values = wait_for(port, lambda v: v["bucketfs_hints_orders_total"] > orders
+                      and v["bucketfs_hints_files"] >= len(order) - 64)
+    assert values["bucketfs_hints_files"] > 0
+
+
+def read_in_order(mnt: Path, files: dict[str, bytes], order: list[str]) -> None:
+    for key in order:
+        assert (mnt / key).read_bytes() == files[key], key
+
+
+def test_a_hinted_epoch_is_packed_in_read_order_and_served_from_chunks(bucket, tmp_path):
+    url, files = bucket
+    order = list(files)
+    random.Random(8).shuffle(order)
+    total = sum(map(len, files.values()))
+    port = free_ports(1)[0]
+    args = ("--cache-dir", str(tmp_path / "cache"), "--disk-free-floor", "0",
+            "--metrics-port", str(port))
+    with mounted(url, tmp_path / "mnt", *args) as mnt:
+        hint(mnt, order, 0, port)
+        read_in_order(mnt, files, order)  # cold: from the bucket, packed as read
+        hint(mnt, order, 1, port)  # the same order again: the last chunk is packed now
+        packed = wait_for(port, lambda v: v["bucketfs_cache_ssd_packed_bytes"] == total)
+        assert packed["bucketfs_cache_ssd_packed_bytes"] == total
+        chunks = packed["bucketfs_cache_ssd_chunks"]
+        assert total / (4 * 1024**2) <= chunks <= total / (4 * 1024**2) + 2
+        drop_kernel_cache()
+        read_in_order(mnt, files, order)
+        second = metrics(port)
+        # Already laid out in this order: nothing written again.
+        assert second["bucketfs_cache_ssd_chunks"] == chunks
+        assert second["bucketfs_cache_ssd_packed_bytes"] == total
+        assert second['bucketfs_origin_requests_total{kind="get"}'] == COUNT
+    stats = bucketfs("cache", "stats", str(tmp_path / "cache"))
+    assert stats.returncode == 0 and f"{COUNT} entries packed" in stats.stdout
+    assert not list((tmp_path / "cache/data").rglob("*.blk"))  # every file moved
+
+    # After a remount (RAM empty, page cache dropped) the epoch comes from the chunks:
+    # one pread per chunk brings the files after the first into RAM.
+    with mounted(url, tmp_path / "mnt", *args) as mnt:
+        drop_kernel_cache()
+        read_in_order(mnt, files, order)
+        third = metrics(port)
+    assert third['bucketfs_origin_requests_total{kind="get"}'] == 0
+    assert third["bucketfs_cache_ssd_chunks"] == chunks
+    assert 0 < third["bucketfs_cache_ssd_chunk_reads_total"] <= chunks + 2
+    assert third['bucketfs_cache_hits_total{tier="ssd"}'] \
+        == third["bucketfs_cache_ssd_chunk_reads_total"]
+    assert third['bucketfs_cache_hits_total{tier="ram"}'] >= COUNT - chunks - 2
+
+
+@pytest.mark.parametrize("chunks_before_kill", [1, 3])
+def test_kill_9_while_packing_then_remount_is_byte_exact(bucket, tmp_path,
+                                                         chunks_before_kill):
+    url, files = bucket
+    order = list(files)
+    random.Random(chunks_before_kill).shuffle(order)
+    port = free_ports(1)[0]
+    cache = tmp_path / "cache"
+    args = ("--cache-dir", str(cache), "--disk-free-floor", "0")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    result = bucketfs("mount", url, str(mnt), *args, "--metrics-port", str(port))
+    assert result.returncode == 0, result.stderr
+    pid = int((state_dir(str(mnt)) / "pid").read_text())
+    hint(mnt, order, 0, port)
+    upcoming = iter(order)  # four readers share the order, as DataLoader workers do
+
+    def reader() -> None:
+        for key in upcoming:
+            try:
+                (mnt / key).read_bytes()
+            except OSError:
+                return  # the daemon is gone
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        readers = [pool.submit(reader) for _ in range(4)]
+        values = wait_for(port, lambda v: v["bucketfs_cache_ssd_chunks"]
+                          >= chunks_before_kill)
+        os.kill(pid, signal.SIGKILL)
+        for future in readers:
+            future.result()
+    assert values["bucketfs_cache_ssd_chunks"] >= chunks_before_kill
+    force_unmount(mnt)  # the stale mount the killed daemon left
+    with mounted(url, tmp_path / "mnt2", *args, "--metrics-port", str(port)) as again:
+        recovered = metrics(port)
+        drop_kernel_cache()
+        read_in_order(again, files, order)
+        after = metrics(port)
+    assert recovered["bucketfs_cache_ssd_chunks"] >= chunks_before_kill
+    assert after["bucketfs_cache_ssd_chunk_reads_total"] > 0  # what was packed is used
+    assert not [p for p in (cache / "chunks").iterdir() if p.suffix != ".chk"]
+    assert len(list((cache / "chunks").iterdir())) == after["bucketfs_cache_ssd_chunks"]
