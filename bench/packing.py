@@ -1,0 +1,127 @@
+"""An SSD-served epoch of small files, with and without chunk packing:
+
+    python -m bench.packing [--files 2000] [--rounds 5] [--threads 1]
+
+Makes a file:// bucket of FILES files of 80-140 KB, fills two cache directories (one
+with a hinted order, so its files are packed into chunks; one without), then, ROUNDS
+times and alternating the two so drift hits both alike: mount, drop the page cache,
+read every file in the hinted order with THREADS threads, and time it. Every round
+must make 0 GETs (the cache serves everything). Needs root (drop_caches, FUSE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from bucketfs.hints import send_order
+from tests.mounting import mounted
+from tests.servers import free_ports
+from tests.test_fuse_hints import metrics
+
+N = ROUNDS = THREADS = 0
+BASE = Path()
+SSD_HITS = 'bucketfs_cache_hits_total{tier="ssd"}'
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def read_all(mnt: Path, order: list[str]) -> int:
+    if THREADS == 1:
+        return sum(len((mnt / k).read_bytes()) for k in order)
+    it = iter(order)
+
+    def worker() -> int:
+        return sum(len((mnt / k).read_bytes()) for k in it)
+
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+        return sum(pool.map(lambda _: worker(), range(THREADS)))
+
+
+def wait(port: int, pred, timeout: float = 120) -> dict:
+    end = time.monotonic() + timeout
+    while True:
+        v = metrics(port)
+        if pred(v) or time.monotonic() > end:
+            return v
+        time.sleep(0.1)
+
+
+def main() -> None:
+    global N, ROUNDS, THREADS, BASE
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    N, ROUNDS, THREADS = args.files, args.rounds, args.threads
+    BASE = Path(tempfile.mkdtemp(prefix="bucketfs-packing-"))
+    try:
+        run()
+    finally:
+        shutil.rmtree(BASE, ignore_errors=True)
+
+
+def run() -> None:
+    bucket = BASE / "bucket"
+    rng = random.Random(1)
+    keys = []
+    for i in range(N):
+        key = f"train/c{i % 20:02d}/{i:05d}.jpg"
+        (bucket / key).parent.mkdir(parents=True, exist_ok=True)
+        (bucket / key).write_bytes(rng.randbytes(rng.randrange(80, 141) * 1024))
+        keys.append(key)
+    total = sum((bucket / k).stat().st_size for k in keys)
+    order = list(keys)
+    random.Random(2).shuffle(order)
+    url = f"file://{bucket}"
+    port = free_ports(1)[0]
+    setups = {}
+    for name in ("block-files", "packed"):
+        cache = BASE / f"cache-{name}"
+        args = ("--cache-dir", str(cache), "--disk-free-floor", "0", "--metrics-port", str(port))
+        with mounted(url, BASE / "mnt", *args) as mnt:
+            if name == "packed":
+                send_order([str(mnt / k) for k in order], epoch=0, job="bench", strict=True)
+                wait(port, lambda v: v.get("bucketfs_hints_files", 0) > 0)
+            read_all(mnt, order)
+            if name == "packed":
+                send_order([str(mnt / k) for k in order], epoch=1, job="bench", strict=True)
+                v = wait(port, lambda v: v["bucketfs_cache_ssd_packed_bytes"] == total)
+                print(f"packed: {v['bucketfs_cache_ssd_chunks']:.0f} chunks, "
+                      f"{v['bucketfs_cache_ssd_packed_bytes'] / 2**20:.1f} MiB", flush=True)
+            wait(port, lambda v: v["bucketfs_cache_write_queue_bytes"] == 0)
+        setups[name] = args
+    print(f"{N} files, {total / 2**20:.1f} MiB, {THREADS} reader thread(s)", flush=True)
+    times: dict[str, list[float]] = {name: [] for name in setups}
+    for _ in range(ROUNDS):
+        for name, args in setups.items():  # alternate, so drift hits both alike
+            with mounted(url, BASE / "mnt", *args) as mnt:
+                drop_caches()
+                began = time.perf_counter()
+                assert read_all(mnt, order) == total
+                elapsed = time.perf_counter() - began
+                v = metrics(port)
+            assert v['bucketfs_origin_requests_total{kind="get"}'] == 0
+            times[name].append(elapsed)
+            print(f"  {name:12s} {elapsed:6.2f} s  {total / 2**20 / elapsed:7.1f} MiB/s  "
+                  f"ssd hits {v[SSD_HITS]:.0f}  "
+                  f"chunk reads {v['bucketfs_cache_ssd_chunk_reads_total']:.0f}", flush=True)
+    for name, values in times.items():
+        values.sort()
+        print(f"{name:12s} median {values[len(values) // 2]:.2f} s "
+              f"({total / 2**20 / values[len(values) // 2]:.1f} MiB/s), "
+              f"all {', '.join(f'{t:.2f}' for t in values)}")
+
+
+if __name__ == "__main__":
+    main()
