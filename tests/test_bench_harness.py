@@ -1,0 +1,205 @@
+"""The benchmark harness's pure parts: request counting, costs, size spread, medians,
+the report. No network shaping, no mounts, no root."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from bench.harness import costs
+from bench.harness.contenders import CONTENDERS, parse_contenders
+from bench.harness.dataset import size_summary
+from bench.harness.httpcount import RequestStream, classify
+from bench.harness.netlab import htb_commands
+from bench.harness.report import markdown, with_costs
+from bench.harness.runner import sequential_total
+from bench.harness.scenarios import LINKS, SCENARIOS
+from bench.harness.stats import aggregate, format_summary, summarize
+
+# --- counting requests -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "target", "kind"), [
+    ("GET", "/bench/train/class_00/img_00000.jpg", "GET"),
+    ("GET", "/bench/large/large-0.bin?partNumber=1", "GET"),
+    ("HEAD", "/bench/train/a.jpg", "HEAD"),
+    ("HEAD", "/bench", "HEAD"),
+    ("GET", "/bench?list-type=2&prefix=train%2F&delimiter=%2F", "LIST"),
+    ("GET", "/bench/?delimiter=/&max-keys=1000&prefix=", "LIST"),  # s3fs: ListObjects v1
+    ("GET", "/bench/", "LIST"),
+    ("GET", "/bench?location", "OTHER"),
+    ("GET", "/", "OTHER"),  # ListBuckets
+    ("PUT", "/bench/a", "OTHER"),
+])
+def test_requests_are_classified_as_s3_bills_them(method: str, target: str, kind: str) -> None:
+    assert classify(method, target) == kind
+
+
+def _request(method: str, target: str, body: bytes = b"", chunked: bool = False) -> bytes:
+    head = f"{method} {target} HTTP/1.1\r\nHost: 10.201.0.1:9000\r\n"
+    if chunked:
+        data = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:3], body[3:]))
+        return (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + data + b"0\r\n\r\n"
+    if body:
+        head += f"Content-Length: {len(body)}\r\n"
+    return (head + "\r\n").encode() + body
+
+
+def test_a_stream_split_anywhere_counts_every_pipelined_request() -> None:
+    stream = b"".join([
+        _request("GET", "/bench/train/a.jpg"),
+        _request("PUT", "/bench/b", body=b"GET /bench/x HTTP/1.1\r\n\r\n"),  # a body, not a request
+        _request("HEAD", "/bench/c"),
+        _request("PUT", "/bench/d", body=b"HEAD /bench/y HTTP/1.1\r\n\r\n", chunked=True),
+        _request("GET", "/bench?list-type=2&prefix="),
+    ])
+    rng = random.Random(0)
+    for _ in range(50):
+        counter = RequestStream()
+        position = 0
+        while position < len(stream):
+            step = rng.randint(1, 40)
+            counter.feed(stream[position:position + step])
+            position += step
+        assert not counter.broken
+        assert counter.counts == {"GET": 1, "HEAD": 1, "LIST": 1, "OTHER": 2}
+
+
+def test_garbage_stops_counting_that_connection_only() -> None:
+    counter = RequestStream()
+    counter.feed(b"\x16\x03\x01 not http at all\r\n\r\n")
+    counter.feed(_request("GET", "/bench/a"))
+    assert counter.broken
+    assert sum(counter.counts.values()) == 0
+
+
+# --- costs -----------------------------------------------------------------------------
+
+
+def test_request_costs_follow_the_published_prices() -> None:
+    one_epoch = {"GET": 3000, "HEAD": 3000, "LIST": 4, "OTHER": 0}
+    assert costs.s3_cost(one_epoch) == pytest.approx((6000 * 0.0004 + 4 * 0.005) / 1000)
+    assert costs.gcs_cost(one_epoch) == pytest.approx((6000 * 0.0004 + 4 * 0.005) / 1000)
+    # A million files read with one GET each: $0.40 at S3 Standard.
+    assert costs.per_million_files(costs.s3_cost({"GET": 3000}), 3000) == pytest.approx(0.4)
+    assert costs.s3_cost({}) == 0
+
+
+def test_records_get_costs_only_where_requests_were_counted() -> None:
+    records = with_costs([
+        {"status": "ok", "origin_GET": 1000, "origin_HEAD": 0, "origin_LIST": 1000},
+        {"status": "n/a: nothing"},
+    ], files=1000)
+    assert records[0]["cost_s3_usd"] == pytest.approx(0.0004 + 0.005)
+    assert "cost_s3_usd" not in records[1]
+
+
+# --- the dataset's size spread ---------------------------------------------------------
+
+
+def test_size_summary_of_a_lognormal_spread() -> None:
+    rng = random.Random(1)
+    mu = math.log(110_000) - 0.5**2 / 2
+    sizes = [int(rng.lognormvariate(mu, 0.5)) for _ in range(20_000)]
+    summary = size_summary(sizes)
+    assert summary["count"] == 20_000
+    assert summary["mean"] == pytest.approx(110_000, rel=0.02)
+    assert summary["log_sd"] == pytest.approx(0.5, rel=0.03)
+    assert summary["p10"] < summary["median"] < summary["mean"] < summary["p90"]
+    assert size_summary([]) == {"count": 0, "total": 0}
+
+
+def test_scenarios_and_links_are_what_the_issue_asks_for() -> None:
+    assert 2000 <= SCENARIOS["imagenet-small"].images <= 4000
+    assert SCENARIOS["tiny"].images <= 250
+    assert LINKS["far"].mbit == 200 and 20 <= LINKS["far"].rtt_ms <= 40
+    assert LINKS["near"].mbit == 1000 and LINKS["near"].rtt_ms == 2
+    assert LINKS["far"].transfer_seconds(25_000_000) == pytest.approx(1.0)
+
+
+def test_htb_shapes_the_named_device_at_the_named_rate() -> None:
+    commands = htb_commands("bfsb-origin", "bfsb-o", 200)
+    assert all(c[:3] == ["tc", "-n", "bfsb-origin"] and "bfsb-o" in c for c in commands)
+    assert "200mbit" in commands[1]
+
+
+def test_contenders_are_parsed_by_name() -> None:
+    assert [c.name for c in parse_contenders("local,bucketfs-cache")] == [
+        "local", "bucketfs-cache"]
+    assert len(parse_contenders(None)) == len(CONTENDERS)
+    with pytest.raises(ValueError, match="unknown"):
+        parse_contenders("local,nfs")
+
+
+# --- medians and the report ------------------------------------------------------------
+
+
+def test_summaries_are_medians_with_ranges() -> None:
+    summary = summarize([3.0, 1.0, 2.0, float("nan")])
+    assert summary is not None
+    assert (summary.median, summary.low, summary.high, summary.n) == (2.0, 1.0, 3.0, 3)
+    assert format_summary(summary) == "2.0 (1.0\u20133.0)"
+    assert format_summary(summarize([2.0])) == "2.0"
+    assert summarize([]) is None
+    assert format_summary(None) == "—"
+
+
+def _records() -> list[dict[str, object]]:
+    records: list[dict[str, object]] = []
+    for repeat, seconds in enumerate((10.0, 12.0, 11.0)):
+        for contender in ("local", "bucketfs-cache"):
+            for epoch in (1, 2):
+                records.append({"repeat": repeat, "contender": contender, "workload": "train",
+                                "item": f"epoch {epoch}", "status": "ok",
+                                "seconds": seconds * epoch, "stall_s": 1.0,
+                                "images_per_s": 300 / seconds, "origin_GET": 300.0,
+                                "origin_HEAD": 0.0, "origin_LIST": 1.0})
+        records.append({"repeat": repeat, "contender": "local", "workload": "daemon",
+                        "item": "training session", "status": "n/a: no daemon"})
+    records.append({"repeat": 0, "contender": "bucketfs-cache", "workload": "raw",
+                    "item": "cold", "status": "error: boom"})
+    return records
+
+
+def test_aggregate_keeps_every_repeat_and_the_reasons() -> None:
+    summary = aggregate(_records())
+    epoch1 = summary[("local", "train", "epoch 1")]
+    assert epoch1["metrics"]["seconds"].median == 11.0
+    assert (epoch1["metrics"]["seconds"].low, epoch1["metrics"]["seconds"].high) == (10.0, 12.0)
+    assert "repeat" not in epoch1["metrics"]
+    assert summary[("local", "daemon", "training session")]["problems"] == ["n/a: no daemon"]
+
+
+def test_sequential_total_adds_files_together() -> None:
+    files = [{"workload": "sequential", "item": f"large-{i}.bin", "status": "ok",
+              "seconds": 2.0, "bytes": 100_000_000, "origin_GET": 25} for i in range(2)]
+    (total,) = sequential_total(files)
+    assert total["MBps"] == pytest.approx(50.0)
+    assert total["origin_GET"] == 50
+    (missing,) = sequential_total([{"workload": "sequential", "status": "n/a: no"}])
+    assert missing["status"] == "n/a: no"
+
+
+def test_markdown_report_has_medians_ranges_and_footnotes(tmp_path: Path) -> None:
+    meta = {
+        "command": "python -m bench run", "started": "now", "repeats": 3,
+        "machine": "test", "scenario": "tiny", "link": "far",
+        "link_profile": {"rtt_ms": 30, "mbit": 200}, "contenders": ["local", "bucketfs-cache"],
+        "contender_descriptions": {"local": "disk", "bucketfs-cache": "cache"},
+        "epochs": 2, "workers": 4, "batch_size": 64, "gpu_ms": 50.0, "threads": 16,
+        "dataset": {"images": 300, "classes": 3, "image_bytes": 33_000_000,
+                    "sizes": {"mean": 110_000, "median": 97_000, "p10": 50_000,
+                              "p90": 190_000},
+                    "large": ["large-0.bin"], "large_bytes": 2**25},
+        "link_bound_images_s": 1.3, "link_bound_large_s": 1.3,
+    }
+    text = markdown(meta, with_costs(_records(), files=300))
+    assert "| local | 11.0 (10.0\u201312.0) | 22.0 (20.0\u201324.0) |" in text
+    assert "300 / 0 / 1" in text
+    assert "error [" in text and "n/a [" in text
+    assert "n/a: no daemon" in text and "error: boom" in text
+    json.dumps(meta)  # the meta the runner writes is plain JSON
