@@ -2,13 +2,16 @@
 
 Order of work:
   1. check the mountpoint and /dev/fuse (nothing started yet);
-  2. build the backend; open the SSD tier (RAM only, with a warning, if unwritable);
+  2. build the backend; open the SSD tier (RAM only, with a warning, if unwritable) and
+     the tree's index (the SSD tier's, else a temporary one);
   3. prove access: a LIST, or with listings saved by an earlier mount a HEAD of an
      object they name; list the root;
-  4. pyfuse3.init mounts; from here on every exit path unmounts;
+  4. start hinted prefetch (unless prefetch_window is 0); pyfuse3.init mounts; from
+     here on every exit path unmounts; listen on the hints socket (if that fails, a
+     warning: the mount serves without hints);
   5. tell the waiting parent we are ready; serve until unmounted or signalled.
 Teardown: unmount, flush what only RAM (or the write queue) holds to SSD, save the
-cache counters, close the index.
+cache counters, close the index (and delete a temporary one).
 """
 
 from __future__ import annotations
@@ -147,7 +150,7 @@ async def _serve(
     warnings: list[str] = []
     disk = open_disk_tier(info, config, warnings)
     try:
-        await _serve_with(info, backend, store, disk, ready, warnings)
+        await _serve_with(info, store, disk, ready, warnings)
     finally:
         if disk is not None:
             disk.close()
@@ -171,7 +174,7 @@ async def _check_access(backend: Backend, namespace: Namespace) -> None:
 
 
 async def _serve_with(
-    info: MountInfo, backend: Backend, store: ObjectStore, disk: DiskTier | None,
+    info: MountInfo, store: ObjectStore, disk: DiskTier | None,
     ready: Callable[[list[str]], None], warnings: list[str],
 ) -> None:
     config = info.config
