@@ -70,6 +70,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from rocksdict import WriteBatch
 
+from bucketfs.cache.durable import write_durably
+
 if TYPE_CHECKING:
     from bucketfs.cache.disk import DiskTier
 
@@ -609,19 +611,9 @@ class ChunkStore:
 
     def _write_file(self, path: Path, chunk: int, parts: list[bytes]) -> None:
         self.directory.mkdir(exist_ok=True)
-        temporary = path.with_name(f"{path.name}.{threading.get_ident():x}.tmp")
         size = sum(len(p) for p in parts)
-        try:
-            with open(temporary, "wb") as f:
-                f.write(_HEADER.pack(MAGIC, chunk, size).ljust(DATA_START, b"\0"))
-                for part in parts:
-                    f.write(part)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(temporary, path)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
+        write_durably(path, [_HEADER.pack(MAGIC, chunk, size).ljust(DATA_START, b"\0"),
+                             *parts])
 
     def _index(self, chunk: int, kept: list[tuple[bytes, bytes, float]], layout: bytes,
                size: int) -> None:  # lock held

@@ -43,6 +43,7 @@ from bucketfs.cache.chunks import (
     chunk_of_rank_name,
     parse_packed,
 )
+from bucketfs.cache.durable import write_durably
 from bucketfs.cache.ranking import IndexRanking
 from bucketfs.prefetch.eviction import RankedPolicy
 
@@ -355,17 +356,7 @@ class DiskTier:
 
     def _write_file(self, path: Path, entry: bytes, data: bytes, crc: int) -> None:
         path.parent.mkdir(exist_ok=True)
-        temporary = path.with_name(f"{path.name}.{threading.get_ident():x}.tmp")
-        try:
-            with open(temporary, "wb") as f:
-                f.write(MAGIC + _HEADER.pack(len(entry), len(data), crc) + entry)
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(temporary, path)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
+        write_durably(path, (MAGIC + _HEADER.pack(len(entry), len(data), crc) + entry, data))
 
     def _make_room(self, size: int) -> bool:
         """Evict until `size` more bytes fit the budget and the free-space floor. If the
