@@ -178,12 +178,16 @@ class Namespace:
         return listed_at is not None and self.clock() - listed_at < self.metadata_ttl
 
     async def _listed(self, directory: Node) -> None:
-        # Single-flight: concurrent lookups in an unlisted directory share one listing.
+        # Single-flight: concurrent lookups in an unlisted directory share one listing. A
+        # listing this call made or waited for is fresh enough for it, whatever the TTL
+        # (with metadata_ttl 0 it would otherwise list forever).
         while not self._fresh(directory):
             flight = self._listing.get(directory.inode)
             if flight is not None:
                 await flight.wait()
-                continue
+                if self.tree.listed_at(directory.inode) is not None:
+                    return
+                continue  # it failed before anything was listed: try ourselves
             flight = self._listing[directory.inode] = trio.Event()
             try:
                 listing = await self.store.list_dir(directory.key)
@@ -192,6 +196,7 @@ class Namespace:
             finally:
                 flight.set()
                 del self._listing[directory.inode]
+            return
 
     def _store(self, directory: Node, listing: DirListing, listed_at: float) -> None:
         self.tree.store(directory.inode, self._children(directory, listing), listed_at)

@@ -162,3 +162,18 @@ def test_listings_and_inodes_outlive_the_namespace_in_a_shared_index(tmp_path):
     assert trio.run(walk, other)  # another bucket's tree is separate
     assert backend.calls["list"] == lists + 4
     index.close()
+
+
+def test_a_zero_ttl_lists_on_every_lookup_and_never_loops():
+    backend, ns = make({"p/a": b"1", "p/b": b"2"}, prefix="p/", ttl=0)
+
+    async def main():
+        for _ in range(3):
+            assert (await ns.lookup(1, "a")).size == 1
+        async with trio.open_nursery() as nursery:  # concurrent lookups share a listing
+            for name in ("a", "b", "a", "b"):
+                nursery.start_soon(ns.lookup, 1, name)
+
+    trio.run(main)
+    assert 3 < backend.calls["list"] <= 3 + 4
+    ns.close()
