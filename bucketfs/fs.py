@@ -184,6 +184,10 @@ class Operations(pyfuse3.Operations):
         """The bucket holds a new version: this handle fails, later opens see the new one."""
         log.warning("object %r changed in the bucket while open; reads of the old version "
                     "fail, new opens get the new version", node.key)
+        try:
+            node = self.namespace.get(node.inode)  # as it is now, not as this handle saw it
+        except KeyError:
+            return  # a re-listing found it gone
         if node.version != handle.obj.version:
             return  # another handle already refreshed it
         try:
