@@ -128,6 +128,8 @@ class DiskTier:
         rebuild = found == b"1" or (found is not None and
                                     self.index.get(POLICY_KEY) != identity)
         saved = self.index.get(STATE_KEY)
+        if saved is not None and len(saved) != _STATE.size:
+            rebuild = True  # totals of an older layout: recount rather than misread them
         if saved is not None and not rebuild:
             (self.ranking.clock, self.ranking.misses, self.used, self.ranking.gap_sum,
              self.ranking.gap_count) = _STATE.unpack(saved)
