@@ -257,27 +257,35 @@ TRACES: dict[str, Callable[[int], Trace]] = {
 # -- replay -----------------------------------------------------------------------------
 
 def simulate(policy: EvictionPolicy, trace: Trace, capacity: int, result: Result) -> Result:
-    sizes, costs = trace.sizes, trace.costs
     used = 0
     for key in trace.keys:
-        result.refs += 1
-        if key in policy:
-            result.hits += 1
-            policy.touch(key)
-            continue
-        size = sizes[key]
-        result.bytes_fetched += size
-        result.fetch_time_s += costs[key]
-        if size > capacity:
-            continue
-        while used + size > capacity:
-            victim = policy.victim()
-            assert victim is not None, "policy is empty but the tier is full"
-            used -= sizes[victim]
-            policy.remove(victim)
-        policy.admit(key, size, costs[key])
-        used += size
+        used = _reference(policy, trace, key, capacity, used, result, decline=False)
     return result
+
+
+def _reference(policy: EvictionPolicy, trace: Trace, key: int, capacity: int, used: int,
+               result: Result, *, decline: bool) -> int:
+    """One read through a tier of `capacity` bytes holding `used`; returns the new `used`.
+    `decline`: admit first, then evict (possibly the newcomer) as MIN does; else make
+    room first, as the daemon's tiers do."""
+    result.refs += 1
+    if key in policy:
+        result.hits += 1
+        policy.touch(key)
+        return used
+    size = trace.sizes[key]
+    result.bytes_fetched += size
+    result.fetch_time_s += trace.costs[key]
+    if size > capacity:
+        return used
+    if not decline:
+        while used + size > capacity:
+            used -= _evict(policy, trace.sizes)
+    policy.admit(key, size, trace.costs[key])
+    used += size
+    while used > capacity:
+        used -= _evict(policy, trace.sizes)
+    return used
 
 
 def simulate_min(trace: Trace, capacity: int, result: Result) -> Result:
@@ -316,9 +324,8 @@ def simulate_min(trace: Trace, capacity: int, result: Result) -> Result:
 def simulate_hinted(trace: Trace, capacity: int, result: Result, params: dict[str, float],
                     *, decline: bool) -> Result:
     """Replay with `HintedPolicy` over cost-lrfu, each epoch's order announced as it
-    starts. `decline`: admit first, then evict (possibly the newcomer) as MIN does;
-    else make room first, as `simulate` does."""
-    sizes, costs = trace.sizes, trace.costs
+    starts. `decline`: see `_reference`."""
+    sizes = trace.sizes
     plans = PrefetchScheduler(window_bytes=max(1, int(capacity * HINTED_WINDOW)),
                               budget_bytes=max(1, capacity))
     policy = HintedPolicy(make_policy("cost-lrfu", **params), NextUse(plans))
@@ -337,23 +344,7 @@ def simulate_hinted(trace: Trace, capacity: int, result: Result, params: dict[st
         plans.observe_read(key, owner[i])
         if last_read[owner[i]] == i:
             plans.end_job(owner[i])  # the job exits; the daemon sees its socket close
-        result.refs += 1
-        if key in policy:
-            result.hits += 1
-            policy.touch(key)
-            continue
-        size = sizes[key]
-        result.bytes_fetched += size
-        result.fetch_time_s += costs[key]
-        if size > capacity:
-            continue
-        if not decline:
-            while used + size > capacity:
-                used -= _evict(policy, sizes)
-        policy.admit(key, size, costs[key])
-        used += size
-        while used > capacity:
-            used -= _evict(policy, sizes)
+        used = _reference(policy, trace, key, capacity, used, result, decline=decline)
     return result
 
 
