@@ -123,10 +123,12 @@ class HintedPrefetch:
                 self.packing.end(plan, forget=True)
         for pending in [j for j in self._generation if j[0] == job]:
             self._generation[pending] += 1  # an order still resolving is dropped
+        self._forget_unplanned()
         self._poke()
 
     async def _install(self, job: tuple[str, int], order: Order, generation: int) -> None:
-        resolved = await self._resolve(order.paths)
+        objects = await self._resolve(order.paths)
+        resolved = [(obj.key, obj.size) for obj in objects]
         layout = b""
         if self.packing is not None:  # a million keys: not in the trio thread
             layout = await trio.to_thread.run_sync(layout_tag, resolved)
@@ -134,38 +136,48 @@ class HintedPrefetch:
             return  # a newer order (or the job's end) arrived meanwhile
         log.info("hints: job %s rank %d epoch %d: %d files (%d paths not found)", order.job,
                  order.rank, order.epoch, len(resolved), len(order.paths) - len(resolved))
+        # Recorded only now, with no await before set_order: `_forget_unplanned` never
+        # drops what an order still being resolved will need.
+        self.objects.update((obj.key, obj) for obj in objects)
         self._cancel(self.scheduler.set_order(job, resolved))
         if self.packing is not None:
             self.packing.new_order(job, layout)
         self._poke()
 
-    async def _resolve(self, paths: list[str]) -> list[tuple[str, int]]:
+    def _forget_unplanned(self) -> None:
+        """Drop the versions of objects no plan reads and no fetch uses any more, so a
+        long-lived mount does not keep every file it was ever hinted."""
+        planned: set[Hashable] = set(self._tasks)
+        for plan in self.scheduler.plans.values():
+            planned.update(plan.keys)
+        for key in [k for k in self.objects if k not in planned]:
+            del self.objects[key]
+
+    async def _resolve(self, paths: list[str]) -> list[ObjectRef]:
         directories: dict[str, int | None] = {"": self.namespace.root.inode}
-        resolved: list[tuple[str, int]] = []
+        resolved: list[ObjectRef] = []
         for count, path in enumerate(paths, 1):
             parent, _, name = path.rpartition("/")
-            inode = directories.get(parent, -1)
-            if inode == -1:
-                inode = directories[parent] = await self._directory(parent, directories)
+            inode = await self._directory(parent, directories)
             node = None if inode is None else await self.namespace.lookup(inode, name)
             if node is None or node.is_dir:
                 self.unknown_paths += 1
                 continue
-            self.objects[node.key] = ObjectRef(node.key, node.version, node.size)
-            resolved.append((node.key, node.size))
+            resolved.append(ObjectRef(node.key, node.version, node.size))
             if count % _RESOLVE_SLICE == 0:
                 await trio.sleep(0)
         return resolved
 
     async def _directory(self, path: str, known: dict[str, int | None]) -> int | None:
+        """The inode of the directory at `path`, None if there is none; `known` caches
+        the answers for one order."""
+        if path in known:
+            return known[path]
         parent, _, name = path.rpartition("/")
-        inode = known.get(parent, -1)
-        if inode == -1:
-            inode = known[parent] = await self._directory(parent, known)
-        if inode is None:
-            return None
-        node = await self.namespace.lookup(inode, name)
-        return node.inode if node is not None and node.is_dir else None
+        inode = await self._directory(parent, known)
+        node = None if inode is None else await self.namespace.lookup(inode, name)
+        known[path] = node.inode if node is not None and node.is_dir else None
+        return known[path]
 
     # --- the read path (sync, trio thread) -----------------------------------------------
 
@@ -239,6 +251,7 @@ class HintedPrefetch:
                     log.info("hints: job %s has not read for %.0f s; dropping its plan",
                              job[0] if isinstance(job, tuple) else job, now - since)
                     self._cancel(self.scheduler.end_job(job))
+                    self._forget_unplanned()
                     seen.pop(job, None)
             for job in [j for j in seen if j not in self.scheduler.plans]:
                 del seen[job]

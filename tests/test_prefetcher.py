@@ -132,6 +132,7 @@ def test_a_newer_order_and_the_end_of_a_job_win():
         assert set(plan.keys) == {"train/" + p for p in paths[10:20]}
         prefetch.on_end("a")
         assert not prefetch.scheduler.plans
+        assert not prefetch.objects  # nothing kept for a job that ended
         prefetch.on_order(order("b", paths[20:]))
         prefetch.on_end("b")  # ended while its order is still being resolved
         await settle(prefetch)
