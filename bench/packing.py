@@ -1,12 +1,18 @@
 """An SSD-served epoch of small files, with and without chunk packing:
 
-    python -m bench.packing [--files 2000] [--rounds 5] [--threads 1]
+    python -m bench.packing [--files 2000] [--rounds 5] [--threads 1] [--next-epoch]
 
 Makes a file:// bucket of FILES files of 80-140 KB, fills two cache directories (one
 with a hinted order, so its files are packed into chunks; one without), then, ROUNDS
 times and alternating the two so drift hits both alike: mount, drop the page cache,
 read every file in the hinted order with THREADS threads, and time it. Every round
 must make 0 GETs (the cache serves everything). Needs root (drop_caches, FUSE).
+
+With --next-epoch the timed epoch is the next one, in another shuffled order, and
+three caches are filled by reading the hinted epoch: block files; packed in that
+epoch's read order (the daemon's guess when the next order is unknown); packed in the
+next epoch's order, announced while the hinted epoch was read (`send_next_order`, as
+HintSampler does for a DistributedSampler).
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from bucketfs.hints import send_order
+from bucketfs.hints import send_next_order, send_order
 from tests.mounting import mounted
 from tests.servers import free_ports
 from tests.test_fuse_hints import metrics
 
 N = ROUNDS = THREADS = 0
+NEXT_EPOCH = False
 BASE = Path()
 SSD_HITS = 'bucketfs_cache_hits_total{tier="ssd"}'
 
@@ -57,13 +64,16 @@ def wait(port: int, pred, timeout: float = 120) -> dict:
 
 
 def main() -> None:
-    global N, ROUNDS, THREADS, BASE
+    global N, ROUNDS, THREADS, NEXT_EPOCH, BASE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--next-epoch", action="store_true",
+                        help="time a shuffled next epoch: block files, packed in the read "
+                             "order, packed in the announced next order")
     args = parser.parse_args()
-    N, ROUNDS, THREADS = args.files, args.rounds, args.threads
+    N, ROUNDS, THREADS, NEXT_EPOCH = args.files, args.rounds, args.threads, args.next_epoch
     BASE = Path(tempfile.mkdtemp(prefix="bucketfs-packing-"))
     try:
         run()
@@ -83,32 +93,45 @@ def run() -> None:
     total = sum((bucket / k).stat().st_size for k in keys)
     order = list(keys)
     random.Random(2).shuffle(order)
+    # The timed epoch: the hinted one again, or (--next-epoch) the next, reshuffled.
+    timed = list(order)
+    if NEXT_EPOCH:
+        random.Random(3).shuffle(timed)
     url = f"file://{bucket}"
     port = free_ports(1)[0]
     setups = {}
-    for name in ("block-files", "packed"):
+    names = ("block-files", "read-order", "next-order") if NEXT_EPOCH \
+        else ("block-files", "packed")
+    for name in names:
         cache = BASE / f"cache-{name}"
         args = ("--cache-dir", str(cache), "--disk-free-floor", "0", "--metrics-port", str(port))
         with mounted(url, BASE / "mnt", *args) as mnt:
-            if name == "packed":
-                send_order([str(mnt / k) for k in order], epoch=0, job="bench", strict=True)
+            if name != "block-files":
+                send_order([str(mnt / k) for k in order], epoch=0, job="bench", strict=True,
+                           next_follows=name == "next-order")
                 wait(port, lambda v: v.get("bucketfs_hints_files", 0) > 0)
+            if name == "next-order":
+                send_next_order([str(mnt / k) for k in timed], epoch=1, job="bench",
+                                strict=True)
             read_all(mnt, order)
-            if name == "packed":
-                send_order([str(mnt / k) for k in order], epoch=1, job="bench", strict=True)
+            if name != "block-files":
+                # The next epoch starts: what is left of this one's layout is packed.
+                send_order([str(mnt / k) for k in timed], epoch=1, job="bench", strict=True)
                 v = wait(port, lambda v: v["bucketfs_cache_ssd_packed_bytes"] == total)
-                print(f"packed: {v['bucketfs_cache_ssd_chunks']:.0f} chunks, "
-                      f"{v['bucketfs_cache_ssd_packed_bytes'] / 2**20:.1f} MiB", flush=True)
+                print(f"{name}: {v['bucketfs_cache_ssd_chunks']:.0f} chunks, "
+                      f"{v['bucketfs_cache_ssd_packed_bytes'] / 2**20:.1f} MiB packed",
+                      flush=True)
             wait(port, lambda v: v["bucketfs_cache_write_queue_bytes"] == 0)
         setups[name] = args
-    print(f"{N} files, {total / 2**20:.1f} MiB, {THREADS} reader thread(s)", flush=True)
+    print(f"{N} files, {total / 2**20:.1f} MiB, {THREADS} reader thread(s), timed epoch: "
+          f"{'the next, reshuffled' if NEXT_EPOCH else 'the hinted order again'}", flush=True)
     times: dict[str, list[float]] = {name: [] for name in setups}
     for _ in range(ROUNDS):
-        for name, args in setups.items():  # alternate, so drift hits both alike
+        for name, args in setups.items():  # alternate, so drift hits all alike
             with mounted(url, BASE / "mnt", *args) as mnt:
                 drop_caches()
                 began = time.perf_counter()
-                assert read_all(mnt, order) == total
+                assert read_all(mnt, timed) == total
                 elapsed = time.perf_counter() - began
                 v = metrics(port)
             assert v['bucketfs_origin_requests_total{kind="get"}'] == 0

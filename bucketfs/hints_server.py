@@ -1,8 +1,9 @@
 """The daemon's end of the hints socket (docs/HINTS.md).
 
 One request per connection: the peer's credentials are checked, one frame is read
-within a deadline (a slow client cannot hold a slot), validated, handed to `on_order` /
-`on_end` in the trio thread, and answered. Nothing a client sends can crash the daemon:
+within a deadline (a slow client cannot hold a slot), validated, handed to `on_order`
+(an epoch's order, or with `next_epoch` the next epoch's, announced ahead) / `on_end`
+in the trio thread, and answered. Nothing a client sends can crash the daemon:
 every bad request gets an error reply and is logged once per distinct reason.
 """
 
@@ -110,12 +111,13 @@ class _Server:
             header = await _receive(stream, HEADER_SIZE, "header", eof_ok=True)
         if not header:
             return None
-        kind, length = parse_header(header)  # refuses an oversize body before reading it
+        # Refuses an oversize body, or a flag its kind does not know, before reading it.
+        kind, length, flags = parse_header(header)
         if length <= BIG_BODY:
-            return decode_body(kind, await self.body(stream, length))
+            return decode_body(kind, await self.body(stream, length), flags)
         async with self.big_bodies:
             body = await self.body(stream, length)
-            return await trio.to_thread.run_sync(decode_body, kind, body)
+            return await trio.to_thread.run_sync(decode_body, kind, body, flags)
 
     async def body(self, stream: trio.SocketStream, length: int) -> bytearray:
         with trio.fail_after(self.read_timeout + length / MIN_RATE):
@@ -123,7 +125,7 @@ class _Server:
 
     def dispatch(self, message: Message) -> Reply:
         try:
-            if isinstance(message, Order):
+            if isinstance(message, Order):  # also a next epoch's (`Order.next_epoch`)
                 self.on_order(message)
             elif isinstance(message, End):
                 self.on_end(message.job)
@@ -248,8 +250,9 @@ async def serve_hints(
     """Serve hints on `socket_path` until cancelled, then remove the socket file.
 
     Connections are accepted from root, `owner_uid`, and members of `allowed_gid`.
-    `on_order(order)` and `on_end(job)` run in the trio thread; a ValueError they raise
-    becomes the client's error reply. Raises HintsServerError if the socket cannot be
+    `on_order(order)` (an epoch's order, or with `order.next_epoch` the next epoch's)
+    and `on_end(job)` run in the trio thread; a ValueError they raise becomes the
+    client's error reply. Raises HintsServerError if the socket cannot be
     served (for example, another live daemon listens there)."""
     path = Path(socket_path)
     try:

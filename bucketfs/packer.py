@@ -1,17 +1,29 @@
 """Chunk packing (LCache): the small files hinted readers open, laid out in SSD chunk
-files in the order they were read (bucketfs/cache/chunks.py stores them).
+files in the order they will be read next (bucketfs/cache/chunks.py stores them).
 
-Each opened file of a hinted order goes to its job's `NextEpochPacker`, which cuts the
-read order into chunks of about 4 MiB; a complete chunk's bytes are taken from RAM or
-the write-through queue (else looked up like a read) and written by the SSD tier in a
-worker thread under the cache's disk limiter. The layout guesses that the next epoch
-reads in this epoch's order: the daemon learns an epoch's order only when that epoch
-starts, and the current order is the best guess it has. A file is packed once; it is
-laid out anew (moved to a new chunk, and its old chunk reclaimed once empty) only when
-its job sent the same order as the epoch before, so the guess has proved right, and its
-chunk follows another order. Shuffled epochs therefore do not rewrite the cache every
-epoch for a guess that is wrong. Chunks carry the order's 8-byte fingerprint
-(`layout_tag`) to tell. Without hints nothing is packed.
+Each opened file of a hinted order goes to its job's `NextEpochPacker`, which cuts
+chunks of about 4 MiB; a complete chunk's bytes are taken from RAM or the
+write-through queue, else from the file's block on SSD, never from the origin (a file
+the SSD tier chose not to keep is left out), and written by the SSD tier in a worker
+thread under the cache's disk limiter. Chunks carry the 8-byte fingerprint
+(`layout_tag`) of the order they are laid out for.
+
+Which order: the one the next epoch reads. When the job announced it (an ORDER with
+`next_epoch`, which HintSampler sends where the sampler makes it certain), the files
+read now are packed into chunks planned by it (`next_order`): a chunk is written once
+all its files were read, and its tag is the layout tag that epoch's own ORDER will
+have, so a right announcement is recognisable. Otherwise the layout guesses that the
+next epoch reads in this epoch's order, the best guess the daemon has, and chunks carry
+the current order's tag.
+
+A file is packed once per layout. One already in a chunk is laid out anew (moved to a
+new chunk; its old chunk is reclaimed once empty) when its chunk was laid out by another
+order and either the next order is known, or its job sent the same order as the epoch
+before, so the guess has proved right. Shuffled epochs without an announced next order
+therefore do not rewrite the cache every epoch for a guess that is wrong. While a next
+order is on its way (the epoch's ORDER said one follows, or it is being resolved), the
+job's reads are held for it rather than packed in read order. Without hints nothing is
+packed.
 
 Concurrency: trio thread only; chunk files are written by the SSD tier in a worker
 thread under the cache's disk limiter.
@@ -19,6 +31,7 @@ thread under the cache's disk limiter.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from collections.abc import Hashable, Iterable
@@ -33,9 +46,15 @@ from bucketfs.prefetch.packing import (
     DEFAULT_SMALL_LIMIT,
     ChunkPlan,
     NextEpochPacker,
+    NextPlan,
 )
 
 log = logging.getLogger(__name__)
+
+#: How long a chunk's writer waits for a file opened but not read yet, and how often it
+#: looks: a background write, so a short wait costs nothing, and packing never GETs.
+_READ_GRACE_S = 0.2
+_READ_POLL_S = 0.01
 
 #: Complete chunks waiting to be written (keys only: the bytes are gathered when one is
 #: written). Past that a chunk is not packed and its files stay block files: a disk that
@@ -54,8 +73,11 @@ def layout_tag(order: Iterable[tuple[str, int]]) -> bytes:
 @dataclass(slots=True)
 class _JobLayout:
     packer: NextEpochPacker
+    #: The tag of the order chunks are laid out for: the next one once known, else
+    #: the current one.
     layout: bytes
-    #: The job repeated its order: files packed by another layout are laid out anew.
+    #: Files packed by another layout are laid out anew: the next order is known, or
+    #: the job repeated its order.
     relayout: bool
 
 
@@ -73,19 +95,47 @@ class ChunkPacking:
         self.small_limit = min(DEFAULT_SMALL_LIMIT, block_size + 1)
         self.jobs: dict[Hashable, _JobLayout] = {}
         self._last_layout: dict[Hashable, bytes] = {}
-        self._send, self._receive = trio.open_memory_channel[tuple[ChunkPlan, bytes]](
-            _PACK_QUEUE)
+        self._send, self._receive = trio.open_memory_channel[
+            tuple[ChunkPlan, bytes, tuple[ObjectRef | None, ...]]](_PACK_QUEUE)
         self.chunks_written = 0
         self.chunks_skipped = 0
 
-    def new_order(self, job: Hashable, layout: bytes) -> None:
+    def new_order(self, job: Hashable, layout: bytes, *, expect_next: bool = False) -> None:
         """A new epoch for `job`: what its last epoch read and did not pack yet is
-        packed now; this epoch's reads go into a new layout."""
+        packed now; this epoch's reads go into a new layout. `expect_next`: the job's
+        next order is on its way (`expect_next`)."""
         self.end(job)
         relayout = self._last_layout.get(job) == layout
         self._last_layout[job] = layout
         packer = NextEpochPacker(chunk_bytes=DEFAULT_CHUNK_BYTES, small_limit=self.small_limit)
         self.jobs[job] = _JobLayout(packer, layout, relayout)
+        if expect_next:
+            packer.expect_next()
+
+    def expect_next(self, job: Hashable) -> None:
+        """`job` announced its next order, which is being resolved: hold its reads for
+        it rather than packing them in read order."""
+        state = self.jobs.get(job)
+        if state is not None:
+            state.packer.expect_next()
+
+    def plan_next(self, order: list[tuple[str, int]]) -> tuple[NextPlan, bytes]:
+        """The layout of a next order ((key, size) pairs) and its tag. Touches nothing
+        shared: run it in a worker thread (a million keys take seconds)."""
+        packer = NextEpochPacker(chunk_bytes=DEFAULT_CHUNK_BYTES, small_limit=self.small_limit)
+        return packer.plan(order), layout_tag(order)
+
+    def next_order(self, job: Hashable, plan: NextPlan, layout: bytes) -> None:
+        """`job`'s next order is known (`plan_next`): what it reads from now on is laid
+        out in it, and files already packed by another layout are laid out anew."""
+        state = self.jobs.get(job)
+        if state is None:
+            return
+        packer = state.packer
+        # Held while the plan was on its way: some may be where it wants them already.
+        settled = [key for key in packer.waiting() if self._layout_of(key) == layout]
+        state.layout, state.relayout = layout, True
+        self._queue(packer.use(plan, settled=settled), layout)
 
     def end(self, job: Hashable, *, forget: bool = False) -> None:
         state = self.jobs.pop(job, None)
@@ -102,40 +152,69 @@ class ChunkPacking:
                 or not self.disk.writable:
             return
         layout = self.disk.packed_layout(BlockId(obj.key, obj.version, 0))
-        if layout is not None and (layout == state.layout or not state.relayout):
-            return
-        self._queue(state.packer.add(key, obj.size), state.layout)
+        packer = state.packer
+        if layout is not None and not packer.expecting:  # else the next order decides
+            if layout == state.layout:
+                # Where this layout wants it: a planned chunk goes without it.
+                self._queue(packer.settle([key]), state.layout)
+                return
+            if not state.relayout:
+                return
+        self._queue(packer.add(key, obj.size, packed=layout is not None), state.layout)
+
+    def _layout_of(self, key: str) -> bytes | None:
+        obj = self.objects.get(key)
+        if obj is None:
+            return None
+        return self.disk.packed_layout(BlockId(obj.key, obj.version, 0))
 
     def _queue(self, chunks: list[ChunkPlan], layout: bytes) -> None:
         for chunk in chunks:
+            # The versions now: a job that ends forgets its objects before this is written.
+            objs = tuple(self.objects.get(file.key) for file in chunk.files)  # type: ignore[call-overload]
             try:
-                self._send.send_nowait((chunk, layout))
+                self._send.send_nowait((chunk, layout, objs))
             except trio.WouldBlock:
                 self.chunks_skipped += 1
 
     async def run(self) -> None:
-        async for chunk, layout in self._receive:
+        async for chunk, layout, objs in self._receive:
             try:
-                await self._write(chunk, layout)
+                await self._write(chunk, layout, objs)
             except Exception:  # a bug here must not take the mount down
                 log.exception("packing: a chunk was not written")
 
-    async def _write(self, chunk: ChunkPlan, layout: bytes) -> None:
+    async def _bytes(self, obj: ObjectRef, block: BlockId,
+                     deadline: float) -> tuple[bytes, float] | None:
+        """A member's bytes and cost from RAM, the write-through queue, the fetch under
+        way or its block on SSD; never a GET of its own. A chunk is complete when its
+        last file is opened, and that file's read may not have started yet: it gets
+        until `deadline` to show up. A file the SSD tier chose not to keep (hinted
+        eviction keeps what readers have yet to read) is left out."""
+        while True:
+            held = self.cache.held(block)
+            if held is None and block in self.cache.inflight:
+                with contextlib.suppress(Exception):  # the reader sees its own error
+                    await self.cache.get(obj, 0)  # joins that fetch
+                held = self.cache.held(block)
+            if held is None:
+                held = await trio.to_thread.run_sync(self.disk.get, block,
+                                                     limiter=self.cache.disk_limiter)
+            if held is not None or trio.current_time() >= deadline:
+                return held
+            await trio.sleep(_READ_POLL_S)
+
+    async def _write(self, chunk: ChunkPlan, layout: bytes,
+                     objs: tuple[ObjectRef | None, ...]) -> None:
         blocks = []
-        for file in chunk.files:
-            obj = self.objects.get(file.key)  # type: ignore[call-overload]
+        deadline = trio.current_time() + _READ_GRACE_S
+        for file, obj in zip(chunk.files, objs, strict=True):
             if obj is None or obj.size != file.length:
                 continue
             block = BlockId(obj.key, obj.version, 0)
-            held = self.cache.held(block)
-            if held is None:  # RAM let it go already: read it like a reader would
-                try:
-                    data = await self.cache.get(obj, 0)
-                except Exception as exc:  # left out of the chunk; readers retry
-                    log.debug("packing: cannot read %r: %s", obj.key, exc)
-                    continue
-                held = (data, self.cache.ram.costs.get(block, 0.0))
-            blocks.append((block, *held))
+            held = await self._bytes(obj, block, deadline)
+            if held is not None:
+                blocks.append((block, *held))
         if blocks and await trio.to_thread.run_sync(
                 self.disk.write_chunk, blocks, layout, limiter=self.cache.disk_limiter):
             self.chunks_written += 1

@@ -14,12 +14,17 @@ single-flight GET shared with any reader that wants it meanwhile), and reports b
 cancels it.
 
 The read path tells the scheduler where each reader is: `Reader.open` calls
-`observed_open(key)` once per opened file. The RAM tier's evictions of blocks that no
+`observed_open(key)` once per opened file. Readers start as soon as their order is sent,
+before it is resolved: the files opened meanwhile are remembered (a bounded list) and
+replayed into the plan when it is installed, so the reader's position and the chunk
+layout do not miss the first files of an epoch. The RAM tier's evictions of blocks that no
 SSD tier keeps are reported as `evicted`, so a prefetched file that had to go before it
 was read counts as wasted and is planned again.
 
 With an SSD tier, `ChunkPacking` (bucketfs/packer.py) lays the small files the readers
-open out into chunk files, in read order.
+open out into chunk files: in the order of the job's next epoch when the job announced
+it (an ORDER with `next_epoch`: resolved like an order, given to the packer, never
+prefetched), else in read order.
 
 Concurrency: everything here runs in the trio thread; the scheduler and the packers are
 only touched between awaits.
@@ -27,8 +32,10 @@ only touched between awaits.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 import trio
 
@@ -38,9 +45,13 @@ from bucketfs.cache.tiered import BlockCache
 from bucketfs.hints.protocol import Order
 from bucketfs.namespace import Namespace
 from bucketfs.packer import ChunkPacking, layout_tag
+from bucketfs.prefetch.packing import NextPlan
 from bucketfs.prefetch.scheduler import AdaptiveConcurrency, PrefetchScheduler, PrefetchStats
 
 log = logging.getLogger(__name__)
+
+#: Opens remembered while an order resolves (its readers have already started).
+_EARLY_OPENS = 8192
 
 #: Paths resolved between two checkpoints (a listed directory: one index read each).
 _RESOLVE_SLICE = 2048
@@ -48,6 +59,16 @@ _RESOLVE_SLICE = 2048
 #: saying so (kill -9): it is dropped, so its window stops holding the shared budget.
 PLAN_IDLE_S = 900.0
 _IDLE_CHECK_S = 30.0
+
+
+@dataclass(eq=False, slots=True)
+class _Announced:
+    """A job's next epoch's order, announced after its order number `follows`."""
+
+    follows: int
+    #: Resolved and planned, waiting for the order it follows to be installed.
+    ready: tuple[NextPlan, bytes] | None = None
+
 
 class HintedPrefetch:
     def __init__(
@@ -70,10 +91,20 @@ class HintedPrefetch:
         self.objects: dict[str, ObjectRef] = {}
         self._tasks: dict[str, trio.CancelScope] = {}
         self._generation: dict[Hashable, int] = {}
+        #: Per job (and rank): the epoch of its last order, the generation of the order
+        #: installed, its latest next-epoch order.
+        self._epoch: dict[Hashable, int] = {}
+        self._installed: dict[Hashable, int] = {}
+        self._announced: dict[Hashable, _Announced] = {}
+        #: Orders being resolved, and the files opened meanwhile: readers start as soon
+        #: as the order is sent, and those first opens belong to the plan being made.
+        self._resolving = 0
+        self._early_opens: collections.deque[str] = collections.deque(maxlen=_EARLY_OPENS)
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.unknown_paths = 0
         self.orders = 0
+        self.next_orders = 0
         #: The scheduler's counters as of the last event (read by the metrics thread).
         self.last_stats: PrefetchStats = self.scheduler.stats()
 
@@ -111,9 +142,32 @@ class HintedPrefetch:
         if self._nursery is None:
             raise ValueError("the daemon is not ready for hints yet")
         job = (order.job, order.rank)
+        if order.next_epoch:
+            self._on_next_order(job, order)
+            return
         generation = self._generation[job] = self._generation.get(job, 0) + 1
+        self._epoch[job] = order.epoch
         self.orders += 1
         self._nursery.start_soon(self._install, job, order, generation)
+
+    def _on_next_order(self, job: tuple[str, int], order: Order) -> None:
+        """The order `job` will read after the one it sent last: advice for laying out
+        what it reads now, never a plan to prefetch (its own ORDER brings that)."""
+        assert self._nursery is not None
+        current = self._epoch.get(job)
+        if current is None:
+            raise ValueError(f"job {order.job} rank {order.rank} sent no order to follow: "
+                             "a next epoch's order comes after the current epoch's")
+        if order.epoch <= current:
+            raise ValueError(f"a next epoch's order must be for an epoch after {current}, "
+                             f"not {order.epoch}")
+        self.next_orders += 1
+        if self.packing is None:
+            return  # it only lays out SSD chunks
+        announced = self._announced[job] = _Announced(self._generation[job])
+        if self._installed.get(job) == announced.follows:
+            self.packing.expect_next(job)
+        self._nursery.start_soon(self._install_next, job, order, announced)
 
     def on_end(self, job: str) -> None:
         for plan in [j for j in self.scheduler.plans if isinstance(j, tuple) and j[0] == job]:
@@ -123,15 +177,25 @@ class HintedPrefetch:
                 self.packing.end(plan, forget=True)
         for pending in [j for j in self._generation if j[0] == job]:
             self._generation[pending] += 1  # an order still resolving is dropped
+            self._epoch.pop(pending, None)
+            self._installed.pop(pending, None)
+            self._announced.pop(pending, None)  # and a next order too
         self._forget_unplanned()
         self._poke()
 
     async def _install(self, job: tuple[str, int], order: Order, generation: int) -> None:
-        objects = await self._resolve(order.paths)
-        resolved = [(obj.key, obj.size) for obj in objects]
-        layout = b""
-        if self.packing is not None:  # a million keys: not in the trio thread
-            layout = await trio.to_thread.run_sync(layout_tag, resolved)
+        self._resolving += 1
+        try:
+            objects = await self._resolve(order.paths)
+            resolved = [(obj.key, obj.size) for obj in objects]
+            layout = b""
+            if self.packing is not None:  # a million keys: not in the trio thread
+                layout = await trio.to_thread.run_sync(layout_tag, resolved)
+        finally:
+            self._resolving -= 1
+        early = list(self._early_opens)
+        if not self._resolving:
+            self._early_opens.clear()
         if self._generation.get(job) != generation:
             return  # a newer order (or the job's end) arrived meanwhile
         log.info("hints: job %s rank %d epoch %d: %d files (%d paths not found)", order.job,
@@ -141,8 +205,40 @@ class HintedPrefetch:
         self.objects.update((obj.key, obj) for obj in objects)
         self._cancel(self.scheduler.set_order(job, resolved))
         if self.packing is not None:
-            self.packing.new_order(job, layout)
+            self._installed[job] = generation
+            announced = self._announced.get(job)
+            if announced is not None and announced.follows != generation:
+                del self._announced[job]  # it followed an older order
+                announced = None
+            # Its next order announced, or about to be: the reads wait for it.
+            self.packing.new_order(job, layout,
+                                   expect_next=order.next_follows or announced is not None)
+            if announced is not None and announced.ready is not None:
+                self.packing.next_order(job, *announced.ready)
+                announced.ready = None
+        for key in early:  # what the job's readers opened while this was resolved
+            self.scheduler.observe_read(key, job)
+            if self.packing is not None and key in self.scheduler.plans[job]:
+                self.packing.opened(key, job)
         self._poke()
+
+    async def _install_next(self, job: tuple[str, int], order: Order,
+                            announced: _Announced) -> None:
+        assert self.packing is not None
+        objects = await self._resolve(order.paths)
+        resolved = [(obj.key, obj.size) for obj in objects]
+        # A million keys: not in the trio thread.
+        planned = await trio.to_thread.run_sync(self.packing.plan_next, resolved)
+        if self._announced.get(job) is not announced \
+                or self._generation.get(job) != announced.follows:
+            return  # a newer next order, a newer order or the job's end arrived meanwhile
+        log.info("hints: job %s rank %d announced epoch %d: %d files (%d paths not found)",
+                 order.job, order.rank, order.epoch, len(resolved),
+                 len(order.paths) - len(resolved))
+        if self._installed.get(job) == announced.follows:
+            self.packing.next_order(job, *planned)
+        else:
+            announced.ready = planned  # given to the packer when its order is installed
 
     def _forget_unplanned(self) -> None:
         """Drop the versions of objects no plan reads and no fetch uses any more, so a
@@ -182,6 +278,8 @@ class HintedPrefetch:
     # --- the read path (sync, trio thread) -----------------------------------------------
 
     def observed_open(self, key: str) -> None:
+        if self._resolving:
+            self._early_opens.append(key)
         self.scheduler.observe_read(key)
         if self.packing is not None:
             for job, plan in self.scheduler.plans.items():

@@ -1,4 +1,5 @@
-"""`bucketfs hint MOUNT FILE_OF_PATHS`: send_order for other frameworks and scripts.
+"""`bucketfs hint MOUNT FILE_OF_PATHS`: send_order (with `--next`, send_next_order)
+for other frameworks and scripts.
 
 Unlike the sampler, the command reports failures: exit 1 with a one-line error. On
 success it prints the job id, which `--end --job ID` takes later.
@@ -26,6 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=0, help="this reader's rank (default 0)")
     parser.add_argument("--world-size", type=int, default=1,
                         help="number of ranks (default 1)")
+    parser.add_argument("--next", action="store_true",
+                        help="the paths are the order of the job's next epoch (--epoch), "
+                             "announced while it reads the current one: the daemon lays "
+                             "out its SSD cache in that order")
+    parser.add_argument("--next-follows", action="store_true",
+                        help="a --next order for the epoch after this one will follow: "
+                             "the daemon waits for it before laying out what is read")
     parser.add_argument("--end", action="store_true",
                         help="tell the daemon job --job is done instead of sending paths")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
@@ -37,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
         if args.end:
             if not args.job:
                 raise HintError("--end needs --job")
+            if args.next or args.next_follows:
+                raise HintError("--end takes no --next or --next-follows")
             end_job(args.job, mount=args.mount, timeout=args.timeout, strict=True)
             return 0
         if args.paths is None:
@@ -44,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         job = args.job or default_job()
         send_order(_read_paths(args.paths), epoch=args.epoch, job=job, rank=args.rank,
                    world_size=args.world_size, mount=args.mount, timeout=args.timeout,
-                   strict=True)
+                   strict=True, next_epoch=args.next, next_follows=args.next_follows)
     except HintError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1

@@ -1,8 +1,9 @@
 """Telling a mount's daemon the order in which a job will read its files.
 
-`send_order` never raises into a training loop: a path under no bucketfs mount, an
-unreachable daemon or a refusal is a warning (once per distinct reason), and training
-goes on without hints. `strict=True` (the CLI) raises HintError instead.
+`send_order` (and `send_next_order`, the next epoch's order announced ahead) never
+raises into a training loop: a path under no bucketfs mount, an unreachable daemon or
+a refusal is a warning (once per distinct reason), and training goes on without hints.
+`strict=True` (the CLI) raises HintError instead.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import os
 import secrets
 import socket
 import stat
+import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from bucketfs.hints import location, protocol
@@ -31,6 +33,7 @@ class HintWarning(UserWarning):
 
 
 _warned: set[str] = set()
+_warned_lock = threading.Lock()  # orders are also sent from a thread (`send_later`)
 _job: str | None = None
 
 
@@ -44,8 +47,10 @@ def default_job() -> str:
 
 
 def warn_once(reason: str) -> None:
-    if reason not in _warned:
+    with _warned_lock:
+        first = reason not in _warned
         _warned.add(reason)
+    if first:
         warnings.warn(f"bucketfs hints: {reason}", HintWarning, stacklevel=2)
 
 
@@ -105,24 +110,42 @@ def group(places: Iterable[Place | None]) -> dict[Target, list[str]]:
 
 def send_order(paths: Iterable[str | os.PathLike[str]], *, epoch: int, job: str | None = None,
                rank: int = 0, world_size: int = 1, mount: str | None = None,
-               timeout: float = DEFAULT_TIMEOUT, strict: bool = False) -> bool:
+               timeout: float = DEFAULT_TIMEOUT, strict: bool = False,
+               next_epoch: bool = False, next_follows: bool = False) -> bool:
     """Tell each bucketfs mount under which `paths` lie that this rank of `job` will
     read them in this order during `epoch`. Relative paths are relative to `mount` if
     given (then only that mount is told), else to the working directory. Returns True
-    if every mount concerned accepted its order."""
+    if every mount concerned accepted its order. `next_follows`: `send_next_order`
+    will announce the next epoch's order shortly. With `next_epoch`, see
+    `send_next_order`."""
     try:
         places = resolve(paths, mount)
         if mount is not None:
             places = _only_mount(places, mount, strict)
         return send_groups(group(places), epoch=epoch, job=job, rank=rank,
-                           world_size=world_size, timeout=timeout, strict=strict)
+                           world_size=world_size, timeout=timeout, strict=strict,
+                           next_epoch=next_epoch, next_follows=next_follows)
     except Exception as exc:
         return _failed(exc, strict)
 
 
+def send_next_order(paths: Iterable[str | os.PathLike[str]], *, epoch: int,
+                    job: str | None = None, rank: int = 0, world_size: int = 1,
+                    mount: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                    strict: bool = False) -> bool:
+    """Announce, while this rank of `job` reads the order it sent last, the order it
+    will read in the next epoch, `epoch` (later than that order's). The daemon lays
+    the files read now out on its SSD in that order; it prefetches nothing for it (the
+    epoch's own `send_order`, when it starts, does). Arguments as for `send_order`;
+    send that order with `next_follows=True`, so the daemon waits for this one."""
+    return send_order(paths, epoch=epoch, job=job, rank=rank, world_size=world_size,
+                      mount=mount, timeout=timeout, strict=strict, next_epoch=True)
+
+
 def send_groups(groups: dict[Target, list[str]], *, epoch: int, job: str | None = None,
                 rank: int = 0, world_size: int = 1, timeout: float = DEFAULT_TIMEOUT,
-                strict: bool = False) -> bool:
+                strict: bool = False, next_epoch: bool = False,
+                next_follows: bool = False) -> bool:
     """send_order for paths already resolved and grouped (HintSampler resolves its
     dataset once, not every epoch)."""
     try:
@@ -131,7 +154,8 @@ def send_groups(groups: dict[Target, list[str]], *, epoch: int, job: str | None 
         job = job or default_job()
         delivered = True
         for target, relative in groups.items():
-            order = Order(job, rank, world_size, epoch, _encodable(relative, strict))
+            order = Order(job, rank, world_size, epoch, _encodable(relative, strict),
+                          next_epoch, next_follows)
             if _deliver(target, order, timeout, strict):
                 _told.setdefault(job, set()).add(target)
             else:
@@ -146,6 +170,7 @@ def end_job(job: str | None = None, *, mount: str | None = None,
     """Tell the daemon of `mount`, or else of every mount `job` sent orders to, that
     `job` is done with it. Returns True if all acknowledged."""
     job = job or default_job()
+    wait_sent()  # an order still being sent must not arrive after the END
     try:
         if mount is None:
             targets = _told.pop(job, set())
@@ -157,6 +182,40 @@ def end_job(job: str | None = None, *, mount: str | None = None,
         return all([_deliver(target, End(job), timeout, strict) for target in targets])
     except Exception as exc:
         return _failed(exc, strict)
+
+
+# --- Sending in the background -------------------------------------------------------
+
+_sending: set[threading.Thread] = set()
+_fork_hook = False
+
+
+def send_later(send: Callable[[], object]) -> None:
+    """Run `send` (a send that never raises) in a thread of its own, so a million paths
+    do not hold up the training loop. `wait_sent` waits for it; so does `end_job`, and
+    so does a fork: a child (a DataLoader worker) must not start with a lock held by a
+    thread that does not exist there."""
+    global _fork_hook
+    if not _fork_hook:
+        os.register_at_fork(before=wait_sent)
+        _fork_hook = True
+
+    def run() -> None:
+        try:
+            send()
+        finally:
+            _sending.discard(thread)
+
+    thread = threading.Thread(target=run, name="bucketfs-hints", daemon=True)
+    _sending.add(thread)
+    thread.start()
+
+
+def wait_sent() -> None:
+    """Until every `send_later` started so far has finished."""
+    for thread in list(_sending):
+        if thread is not threading.current_thread():
+            thread.join()
 
 
 def _failed(exc: Exception, strict: bool) -> bool:
@@ -257,8 +316,8 @@ def _exchange(path: str, frame: bytes, timeout: float) -> Reply:
         # A daemon that refuses a frame stops reading it; its reply says why.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             sock.sendall(frame)
-        kind, length = protocol.parse_header(_receive(sock, protocol.HEADER_SIZE))
-        reply = protocol.decode_body(kind, _receive(sock, length))
+        kind, length, flags = protocol.parse_header(_receive(sock, protocol.HEADER_SIZE))
+        reply = protocol.decode_body(kind, _receive(sock, length), flags)
     if not isinstance(reply, Reply):
         raise ProtocolError(f"expected a REPLY, got {kind.name}")
     return reply

@@ -2,14 +2,17 @@
 
 A frame is a 12-byte header, then the body:
 
-    magic b"BFSH" | version u8 | kind u8 | flags u16 (0) | body length u32   (big-endian)
+    magic b"BFSH" | version u8 | kind u8 | flags u16 | body length u32   (big-endian)
 
 A reader learns the body length from the header and can refuse an oversize frame
-before reading its body (`parse_header`). Bodies:
+before reading its body (`parse_header`). Flags are 0 but for an ORDER's
+FLAG_NEXT_EPOCH or FLAG_NEXT_FOLLOWS (not both); any other bit is refused. Bodies:
 
     ORDER  rank u32 | world_size u32 | epoch u32 | count u32 | job_len u16 | job | paths
            paths: `count` mount-relative UTF-8 paths joined by NUL (NUL cannot occur in
-           a path), in the order they will be read
+           a path), in the order they will be read; with FLAG_NEXT_EPOCH, the order of
+           the job's next epoch, announced ahead (advice for laying out the cache);
+           with FLAG_NEXT_FOLLOWS, an epoch's order whose next epoch's will follow
     END    job_len u16 | job
     REPLY  status u8 (0 ok, 1 error) | reason (UTF-8, one line)
 
@@ -22,6 +25,7 @@ import enum
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MAGIC = b"BFSH"
 VERSION = 1
@@ -38,6 +42,13 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_EPOCH = (1 << 32) - 1
 
 _ORDER = struct.Struct(">IIIIH")
+
+#: ORDER flag: these paths are the job's next epoch, sent while it reads the current
+#: one, so the daemon can lay out what it reads now in the order it will read next.
+FLAG_NEXT_EPOCH = 0x0001
+#: ORDER flag: the next epoch's order will follow this one shortly, so the daemon waits
+#: for it rather than laying out the first reads in read order.
+FLAG_NEXT_FOLLOWS = 0x0002
 _JOB_LEN = struct.Struct(">H")
 
 
@@ -57,17 +68,30 @@ MAX_BODY = {
     Kind.END: _JOB_LEN.size + MAX_JOB_BYTES,
     Kind.REPLY: 1 + MAX_REASON_BYTES,
 }
+#: The flag bits each kind may carry.
+FLAGS = {Kind.ORDER: FLAG_NEXT_EPOCH | FLAG_NEXT_FOLLOWS, Kind.END: 0, Kind.REPLY: 0}
+
+
+class Header(NamedTuple):
+    kind: Kind
+    length: int
+    flags: int
 
 
 @dataclass(frozen=True, slots=True)
 class Order:
-    """This rank of `job` will read `paths` (relative to the mount root) in this order."""
+    """This rank of `job` will read `paths` (relative to the mount root) in this order
+    during `epoch`. With `next_epoch`, `epoch` is the one after the job's current order:
+    advice for laying out the cache, not a plan to prefetch now. With `next_follows`
+    (an epoch's own order), the job will announce its next epoch's order shortly."""
 
     job: str
     rank: int
     world_size: int
     epoch: int
     paths: Sequence[str]
+    next_epoch: bool = False
+    next_follows: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +130,10 @@ def encode(message: Message) -> bytes:
         job = _encode_job(message.job)
         fixed = _ORDER.pack(message.rank, message.world_size, message.epoch,
                             len(message.paths), len(job))
-        return _frame(Kind.ORDER, fixed + job + _encode_paths(message.paths))
+        flags = (FLAG_NEXT_EPOCH if message.next_epoch else 0) \
+            | (FLAG_NEXT_FOLLOWS if message.next_follows else 0)
+        _check_flags(Kind.ORDER, flags)
+        return _frame(Kind.ORDER, fixed + job + _encode_paths(message.paths), flags)
     if isinstance(message, End):
         job = _encode_job(message.job)
         return _frame(Kind.END, _JOB_LEN.pack(len(job)) + job)
@@ -116,11 +143,11 @@ def encode(message: Message) -> bytes:
     return _frame(Kind.REPLY, bytes([0 if message.ok else 1]) + reason)
 
 
-def _frame(kind: Kind, body: bytes) -> bytes:
+def _frame(kind: Kind, body: bytes, flags: int = 0) -> bytes:
     if len(body) > MAX_BODY[kind]:
         raise ProtocolError(f"{kind.name} body of {len(body)} bytes is over the limit "
                             f"({MAX_BODY[kind]})")
-    return HEADER.pack(MAGIC, VERSION, kind, 0, len(body)) + body
+    return HEADER.pack(MAGIC, VERSION, kind, flags, len(body)) + body
 
 
 def _encode_job(job: str) -> bytes:
@@ -146,9 +173,10 @@ def _encode_paths(paths: Sequence[str]) -> bytes:
 # --- Decoding --------------------------------------------------------------------
 
 
-def parse_header(header: bytes) -> tuple[Kind, int]:
-    """(kind, body length) from a frame's first HEADER_SIZE bytes. Refuses a frame
-    whose body would exceed the limit for its kind, before anyone reads that body."""
+def parse_header(header: bytes) -> Header:
+    """(kind, body length, flags) from a frame's first HEADER_SIZE bytes. Refuses a
+    frame whose body would exceed the limit for its kind, or that carries a flag its
+    kind does not know, before anyone reads its body."""
     if len(header) != HEADER_SIZE:
         raise ProtocolError(f"truncated header ({len(header)} of {HEADER_SIZE} bytes)")
     magic, version, number, flags, length = HEADER.unpack(header)
@@ -161,19 +189,20 @@ def parse_header(header: bytes) -> tuple[Kind, int]:
         kind = Kind(number)
     except ValueError:
         raise ProtocolError(f"unknown message kind {number}") from None
-    if flags:
-        raise ProtocolError(f"unknown flags {flags:#x}")
+    _check_flags(kind, flags)
     if length > MAX_BODY[kind]:
         raise ProtocolError(f"{kind.name} body of {length} bytes is over the limit "
                             f"({MAX_BODY[kind]})")
-    return kind, length
+    return Header(kind, length, flags)
 
 
-def decode_body(kind: Kind, body: bytes | bytearray) -> Message:
+def decode_body(kind: Kind, body: bytes | bytearray, flags: int = 0) -> Message:
+    """The message in `body`; `flags` from its header (`parse_header`)."""
+    _check_flags(kind, flags)
     # A memoryview, so that slicing a 100 MB body does not copy it.
     view = memoryview(body)
     if kind is Kind.ORDER:
-        return _decode_order(view)
+        return _decode_order(view, flags)
     if kind is Kind.END:
         job, rest = _decode_job(view)
         if rest:
@@ -189,14 +218,15 @@ def decode_body(kind: Kind, body: bytes | bytearray) -> Message:
 
 def decode(frame: bytes) -> Message:
     """One whole frame (header and body) to its message."""
-    kind, length = parse_header(frame[:HEADER_SIZE])
+    kind, length, flags = parse_header(frame[:HEADER_SIZE])
     body = frame[HEADER_SIZE:]
     if len(body) != length:
         raise ProtocolError(f"body of {len(body)} bytes, header says {length}")
-    return decode_body(kind, body)
+    return decode_body(kind, body, flags)
 
 
-def _decode_order(view: memoryview) -> Order:
+def _decode_order(view: memoryview, flags: int) -> Order:
+    next_epoch, next_follows = bool(flags & FLAG_NEXT_EPOCH), bool(flags & FLAG_NEXT_FOLLOWS)
     if len(view) < _ORDER.size:
         raise ProtocolError(f"ORDER body of {len(view)} bytes is too short")
     rank, world_size, epoch, count, _ = _ORDER.unpack_from(view)
@@ -207,14 +237,14 @@ def _decode_order(view: memoryview) -> Order:
     if count == 0:
         if blob:
             raise ProtocolError("an ORDER of 0 paths carries path bytes")
-        return Order(job, rank, world_size, epoch, [])
+        return Order(job, rank, world_size, epoch, [], next_epoch, next_follows)
     text = _utf8(blob, "a path")
     found = text.count("\0") + 1
     if found != count:
         raise ProtocolError(f"ORDER says {count} paths but holds {found}")
     paths = text.split("\0")
     _check_paths(text, paths)
-    return Order(job, rank, world_size, epoch, paths)
+    return Order(job, rank, world_size, epoch, paths, next_epoch, next_follows)
 
 
 def _decode_job(view: memoryview) -> tuple[str, memoryview]:
@@ -237,6 +267,14 @@ def _utf8(raw: memoryview, what: str) -> str:
 
 
 # --- Validation (shared by both directions) ---------------------------------------
+
+
+def _check_flags(kind: Kind, flags: int) -> None:
+    if flags & ~FLAGS[kind]:
+        raise ProtocolError(f"unknown flags {flags:#x} for {kind.name}")
+    if flags & FLAG_NEXT_EPOCH and flags & FLAG_NEXT_FOLLOWS:
+        raise ProtocolError("an order of the next epoch announces no other (flags "
+                            f"{flags:#x})")
 
 
 def _check_job(job: str) -> None:

@@ -17,6 +17,11 @@ reads 5-7x faster than 128 KB ones). So small files are packed into chunks of ab
   layout is `plan_chunks(next order)` and a planned chunk is emitted when all its files
   have been read; at the end of the epoch, `flush` packs the files read but not emitted
   yet (their chunks were incomplete: some files were never read) in next-epoch order.
+  The plan for a million files takes seconds, so it is made apart (`plan`, safe in
+  another thread) and put to use in one step (`use`). While a next order is known to
+  be on its way (`expect_next`), files read are kept for it rather than cut in read
+  order. A file that is laid out where the next order wants it already is `settle`d:
+  its planned chunk goes without it.
 
 Pure planning: a chunk is a list of `Placement(key, offset, length)`; the daemon reads
 the files' bytes, writes the chunk file, records where each file sits in its index, and
@@ -34,6 +39,7 @@ __all__ = [
     "DEFAULT_SMALL_LIMIT",
     "ChunkPlan",
     "NextEpochPacker",
+    "NextPlan",
     "Placement",
     "plan_chunks",
 ]
@@ -119,22 +125,33 @@ def plan_chunks(order: Iterable[tuple[Hashable, int]], *,
     return chunks
 
 
-class _Planned:
-    """A chunk of the next epoch's layout and how many of its bytes were read."""
+@dataclass(frozen=True, slots=True)
+class NextPlan:
+    """The next epoch's layout, planned from its order (`NextEpochPacker.plan`)."""
 
-    __slots__ = ("chunk", "emitted", "read", "seen")
+    chunks: list[ChunkPlan]
+    #: key -> the index of its chunk in `chunks`
+    chunk_of: dict[Hashable, int]
+    #: key -> its first position in the order
+    position_of: dict[Hashable, int]
+
+
+class _Planned:
+    """A chunk of the next epoch's layout and which of its files were read."""
+
+    __slots__ = ("chunk", "emitted", "seen")
 
     def __init__(self, chunk: ChunkPlan) -> None:
         self.chunk = chunk
         self.seen: set[Hashable] = set()
-        self.read = 0
         self.emitted = False
 
 
 class NextEpochPacker:
     """Builds the next epoch's log from the files read in this one. Call `add` for
-    each file as it is read, `set_next_order` when the next epoch's order arrives (any
-    time), `flush` at the end of the epoch. Each file is packed at most once."""
+    each file as it is read, `set_next_order` (or `use(plan(order))`) when the next
+    epoch's order arrives (any time), `flush` at the end of the epoch. Each file is
+    packed at most once."""
 
     def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  small_limit: int = DEFAULT_SMALL_LIMIT,
@@ -142,44 +159,88 @@ class NextEpochPacker:
         _check(chunk_bytes, small_limit)
         self.chunk_bytes = chunk_bytes
         self.small_limit = small_limit
-        self._packed: set[Hashable] = set()  # emitted in a chunk
+        self._packed: set[Hashable] = set()  # emitted in a chunk, or settled
         self._reads = 0  # files added so far: the sequence in read order
         self._cutter = _Cutter(chunk_bytes)  # read-order mode only
+        #: Read while the next order is expected: key -> (size, sequence, packed already).
+        self._held: dict[Hashable, tuple[int, int, bool]] = {}
+        self._expecting = False
         self._planned: list[_Planned] | None = None
         self._chunk_of: dict[Hashable, int] = {}  # key -> its planned chunk
         self._position_of: dict[Hashable, int] = {}  # key -> its place in the next order
         if next_order is not None:
             self.set_next_order(next_order)
 
+    @property
+    def planned(self) -> bool:
+        """The next epoch's order is known: chunks follow it."""
+        return self._planned is not None
+
+    @property
+    def expecting(self) -> bool:
+        """The next epoch's order is on its way (`expect_next`) and not here yet."""
+        return self._expecting
+
+    def plan(self, order: Sequence[tuple[Hashable, int]]) -> NextPlan:
+        """The layout of the next epoch's `order`, for `use`. Reads nothing but the
+        packer's settings, so it may run in another thread (a million files take
+        seconds)."""
+        chunks = plan_chunks(order, chunk_bytes=self.chunk_bytes,
+                             small_limit=self.small_limit)
+        chunk_of = {file.key: i for i, chunk in enumerate(chunks) for file in chunk.files}
+        position_of: dict[Hashable, int] = {}
+        for position, (key, _) in enumerate(order):
+            position_of.setdefault(key, position)
+        return NextPlan(chunks, chunk_of, position_of)
+
     def set_next_order(self, order: Sequence[tuple[Hashable, int]]) -> list[ChunkPlan]:
-        """Lay out the rest by the next epoch's order. Files already emitted stay where
-        they are; files read but not emitted yet move into the new layout. Returns the
-        chunks this completes."""
-        waiting = [file.key for file in self._cutter.files]
+        """`use(plan(order))`."""
+        return self.use(self.plan(order))
+
+    def expect_next(self) -> None:
+        """The next epoch's order is on its way: until it comes (`use`), the files read
+        are kept instead of cut into read-order chunks that it would make wrong. Files
+        laid out already (`add(packed=True)`) are kept too: the next order may want
+        them elsewhere."""
+        if self._planned is None:
+            self._expecting = True
+
+    def use(self, plan: NextPlan, *, settled: Iterable[Hashable] = ()) -> list[ChunkPlan]:
+        """Lay out the rest by the next epoch's order. Files already emitted, and the
+        `settled` ones (laid out where the plan wants them already), stay where they
+        are and planned chunks go without them; files read but not emitted yet move
+        into the new layout. Returns the chunks this completes."""
+        waiting = [file.key for file in self._cutter.files] + list(self._held)
         for planned in self._planned or ():  # an earlier next order, replaced
             if not planned.emitted:
                 waiting += [f.key for f in planned.chunk.files if f.key in planned.seen]
+        self._packed.update(settled)
         self._cutter = _Cutter(self.chunk_bytes)
-        layout = plan_chunks(order, chunk_bytes=self.chunk_bytes,
-                             small_limit=self.small_limit, exclude=self._packed)
-        self._planned = [_Planned(chunk) for chunk in layout]
-        self._chunk_of = {file.key: i for i, chunk in enumerate(layout)
-                          for file in chunk.files}
-        self._position_of = {}
-        for position, (key, _) in enumerate(order):
-            self._position_of.setdefault(key, position)
-        done: list[ChunkPlan] = []
+        self._held = {}
+        self._expecting = False
+        self._planned = [_Planned(chunk) for chunk in plan.chunks]
+        self._chunk_of = plan.chunk_of
+        self._position_of = plan.position_of
+        done = self._exclude(self._packed)
         for key in waiting:
-            done += self._add_planned(key)
+            if key not in self._packed:
+                done += self._add_planned(key)
         return done
 
-    def add(self, key: Hashable, size: int) -> list[ChunkPlan]:
-        """A file was read (its bytes are at hand). Returns the chunks now complete."""
+    def add(self, key: Hashable, size: int, *, packed: bool = False) -> list[ChunkPlan]:
+        """A file was read (its bytes are at hand). `packed`: it is laid out in a chunk
+        already and is given here to be laid out anew; while the next order is
+        expected, such a file waits for it and is never packed in read order.
+        Returns the chunks now complete."""
         self._reads += 1
         if not 0 < size < self.small_limit or key in self._packed:
             return []
         if self._planned is not None:
             return self._add_planned(key)
+        if self._expecting:
+            if key not in self._held and all(file.key != key for file in self._cutter.files):
+                self._held[key] = (size, self._reads - 1, packed)
+            return []
         if any(file.key == key for file in self._cutter.files):
             return []
         closed = self._cutter.add(key, size, self._reads - 1)
@@ -188,12 +249,41 @@ class NextEpochPacker:
         self._packed.update(file.key for file in closed.files)
         return [closed]
 
+    def settle(self, keys: Iterable[Hashable]) -> list[ChunkPlan]:
+        """Once the next order is known: these files are laid out where it wants them
+        already, so they are not packed again and the planned chunks waiting for them
+        go without them. Returns the chunks this completes. (Before, a no-op.)"""
+        if self._planned is None:
+            return []
+        fresh = [key for key in keys if key not in self._packed]
+        self._packed.update(fresh)
+        return self._exclude(fresh)
+
+    def waiting(self) -> list[Hashable]:
+        """The files read and not packed yet."""
+        keys = [file.key for file in self._cutter.files] + list(self._held)
+        for planned in self._planned or ():
+            if not planned.emitted:
+                keys += [f.key for f in planned.chunk.files if f.key in planned.seen]
+        return keys
+
     def flush(self) -> list[ChunkPlan]:
         """End of the epoch: chunks from every file read and not emitted yet, in the
-        next epoch's order (or the read order), cut again at `chunk_bytes`."""
+        next epoch's order (or the read order), cut again at `chunk_bytes`. Files that
+        waited for a next order that never came are packed in read order, but for
+        those laid out already, which stay where they are."""
         if self._planned is None:
-            last = self._cutter.close()
-            chunks = [] if last is None else [last]
+            cutter, chunks = self._cutter, []
+            for key, (size, sequence, packed) in self._held.items():
+                if not packed:
+                    closed = cutter.add(key, size, sequence)
+                    if closed is not None:
+                        chunks.append(closed)
+            self._held = {}
+            self._expecting = False
+            last = cutter.close()
+            if last is not None:
+                chunks.append(last)
         else:
             cutter = _Cutter(self.chunk_bytes)
             chunks = []
@@ -223,9 +313,39 @@ class NextEpochPacker:
         if planned.emitted or key in planned.seen:
             return []
         planned.seen.add(key)
-        planned.read += 1
-        if planned.read < len(planned.chunk.files):
+        return self._complete(planned)
+
+    def _complete(self, planned: _Planned) -> list[ChunkPlan]:
+        if len(planned.seen) < len(planned.chunk.files):
             return []
         planned.emitted = True
         self._packed.update(file.key for file in planned.chunk.files)
         return [planned.chunk]
+
+    def _exclude(self, keys: Iterable[Hashable]) -> list[ChunkPlan]:
+        """Take `keys` out of their planned chunks (their offsets close up); returns the
+        chunks that are complete without them."""
+        assert self._planned is not None
+        gone: dict[int, set[Hashable]] = {}
+        for key in keys:
+            index = self._chunk_of.get(key)
+            if index is not None:
+                gone.setdefault(index, set()).add(key)
+        done: list[ChunkPlan] = []
+        for index, keys_gone in gone.items():
+            planned = self._planned[index]
+            if planned.emitted:
+                continue
+            kept: list[Placement] = []
+            offset = 0
+            for file in planned.chunk.files:
+                if file.key not in keys_gone:
+                    kept.append(Placement(file.key, offset, file.length))
+                    offset += file.length
+            planned.seen -= keys_gone
+            if not kept:
+                planned.emitted = True  # nothing of it is left to pack
+                continue
+            planned.chunk = ChunkPlan(tuple(kept), self._position_of[kept[0].key])
+            done += self._complete(planned)
+        return done

@@ -1,7 +1,8 @@
 """Chunk packing end to end: a real mount of a file:// bucket with an SSD cache reads a
 hinted order, packs what it read into chunk files in that order, and after a remount
-serves the epoch from the chunks with one read per chunk; a kill -9 while chunks are
-being written never costs a wrong byte."""
+serves the epoch from the chunks with one read per chunk; a DataLoader whose
+HintSampler announces the next epoch has what it reads laid out in that next order; a
+kill -9 while chunks are being written never costs a wrong byte."""
 
 from __future__ import annotations
 
@@ -14,12 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from rocksdict import AccessType, Options, Rdict
+from torch.utils.data import DataLoader, DistributedSampler
+from torchvision.datasets import DatasetFolder
 
-from bucketfs.hints import send_order
+from bucketfs.hints import HintSampler, send_order
+from bucketfs.packer import layout_tag
 from bucketfs.runtime import state_dir
 from tests.mounting import bucketfs, force_unmount, mounted
 from tests.servers import free_ports
 from tests.test_fuse_hints import metrics
+from tests.test_packing_next_epoch import chunk_layouts, follows
 
 KiB = 1024
 COUNT = 240
@@ -109,6 +115,65 @@ def test_a_hinted_epoch_is_packed_in_read_order_and_served_from_chunks(bucket, t
     assert third['bucketfs_cache_hits_total{tier="ssd"}'] \
         == third["bucketfs_cache_ssd_chunk_reads_total"]
     assert third['bucketfs_cache_hits_total{tier="ram"}'] >= COUNT - chunks - 2
+
+
+def read_bytes(path: str) -> bytes:
+    # Workers start reading as the sampler sends the order, before the daemon has
+    # resolved it: the daemon replays those first opens into the plan.
+    return Path(path).read_bytes()
+
+
+def test_an_epoch_is_laid_out_in_the_order_the_sampler_will_read_next(bucket, tmp_path):
+    url, files = bucket
+    total = sum(map(len, files.values()))
+    port = free_ports(1)[0]
+    cache = tmp_path / "cache"
+    args = ("--cache-dir", str(cache), "--disk-free-floor", "0", "--metrics-port", str(port))
+    with mounted(url, tmp_path / "mnt", *args) as mnt:
+        dataset = DatasetFolder(str(mnt / "train"), loader=read_bytes,
+                                extensions=(".jpg",))
+
+        def keys(epoch: int) -> list[str]:
+            """The files a DistributedSampler reads in `epoch`, as bucket keys."""
+            sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True,
+                                         seed=21)
+            sampler.set_epoch(epoch)
+            return [str(Path(dataset.samples[i][0]).relative_to(mnt)) for i in sampler]
+
+        sampler = HintSampler(DistributedSampler(dataset, num_replicas=1, rank=0,
+                                                 shuffle=True, seed=21), dataset)
+        loader = DataLoader(dataset, sampler=sampler, batch_size=8, num_workers=2,
+                            collate_fn=list)
+        sampler.set_epoch(0)
+        read = [data for batch in loader for data, _ in batch]
+        epoch_0, epoch_1 = keys(0), keys(1)
+        assert read == [files[key] for key in epoch_0]
+        # A chunk planned by epoch 1's order is written once all its files were read:
+        # every chunk, during epoch 0 (nothing flushed them: no epoch 1 order was sent).
+        packed = wait_for(port, lambda v: v["bucketfs_cache_ssd_packed_bytes"] == total)
+        assert packed["bucketfs_cache_ssd_packed_bytes"] == total
+        assert packed["bucketfs_hints_orders_total"] == 1  # the announcement is not one
+    options = Options(raw_mode=True)
+    options.set_db_log_dir(str(tmp_path))
+    index = Rdict(str(cache / "index"), options, access_type=AccessType.read_only())
+    try:
+        chunks = chunk_layouts(index)
+    finally:
+        index.close()
+    assert sorted(key for _, members in chunks for key in members) == sorted(files)
+    assert follows(chunks, epoch_1), "each chunk holds a run of epoch 1's order"
+    assert not follows(chunks, epoch_0)
+    assert {tag for tag, _ in chunks} == {
+        layout_tag((key, len(files[key])) for key in epoch_1)}, "epoch 1's own ORDER's tag"
+    assert len(chunks) <= total / (4 * 1024**2) + 2
+
+    # Epoch 1 then comes from the chunks in sequence: one pread per chunk.
+    with mounted(url, tmp_path / "mnt", *args) as mnt:
+        drop_kernel_cache()
+        read_in_order(mnt, files, epoch_1)
+        served = metrics(port)
+    assert served['bucketfs_origin_requests_total{kind="get"}'] == 0
+    assert served["bucketfs_cache_ssd_chunk_reads_total"] == len(chunks)
 
 
 @pytest.mark.parametrize("chunks_before_kill", [1, 3])

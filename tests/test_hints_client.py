@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,15 @@ import pytest
 
 from bucketfs import runtime
 from bucketfs.cli import main as bucketfs_main
-from bucketfs.hints import HintError, HintWarning, client, end_job, location, send_order
+from bucketfs.hints import (
+    HintError,
+    HintWarning,
+    client,
+    end_job,
+    location,
+    send_next_order,
+    send_order,
+)
 from bucketfs.hints.cli import main as hint_main
 from bucketfs.hints.location import FSTYPE, Mount, mount_of, read_mounts, socket_candidates
 from tests.test_hints_server import daemon_thread
@@ -108,6 +118,55 @@ def test_paths_are_grouped_by_mount_and_made_relative(mounts, monkeypatch):
     assert d1.ends == d2.ends == ["j"]
 
 
+def test_send_next_order_announces_the_next_epoch(mounts):
+    one, _ = mounts
+    with daemon_thread(location.socket_path(str(one))) as daemon:
+        assert send_order([one / "a.jpg", one / "b.jpg"], epoch=4, job="j", next_follows=True)
+        assert send_next_order(["b.jpg", "a.jpg"], epoch=5, job="j", mount=str(one))
+        assert send_order([one / "c.jpg"], epoch=6, job="j", next_epoch=True)
+    assert [(o.epoch, o.next_epoch, o.next_follows, o.paths) for o in daemon.orders] == [
+        (4, False, True, ["a.jpg", "b.jpg"]), (5, True, False, ["b.jpg", "a.jpg"]),
+        (6, True, False, ["c.jpg"])]
+
+
+def test_end_job_waits_for_an_order_still_being_sent(mounts):
+    one, _ = mounts
+    seen: list[tuple[bool, int]] = []  # (next_epoch, ENDs received before it)
+    ends: list[str] = []
+    with daemon_thread(location.socket_path(str(one)),
+                       on_order=lambda o: seen.append((o.next_epoch, len(ends)))) as daemon:
+        ends = daemon.ends
+        assert send_order([one / "a.jpg"], epoch=0, job="slow")
+        gate = threading.Event()
+
+        def later() -> None:
+            gate.wait(10)
+            send_next_order([one / "a.jpg"], epoch=1, job="slow")
+
+        client.send_later(later)
+        threading.Timer(0.2, gate.set).start()
+        assert end_job("slow")
+    assert seen == [(False, 0), (True, 0)], "the next order came before the END"
+    assert daemon.ends == ["slow"]
+
+
+def test_a_fork_waits_for_an_order_being_sent():
+    """A child (a DataLoader worker) never starts while the sending thread, which does
+    not exist in it, may hold a lock."""
+    sent = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.3)
+        sent.set()
+
+    client.send_later(slow)
+    pid = os.fork()
+    if pid == 0:  # the child: the send finished before the fork
+        os._exit(0 if sent.is_set() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_no_path_under_a_mount_warns_once(mounts):
     with pytest.warns(HintWarning) as caught:
         for _ in range(3):
@@ -182,7 +241,22 @@ def test_cli_sends_an_order_and_ends_it(mounts, tmp_path, capsys, monkeypatch):
         assert hint_main([str(one), "--end", "--job", "cli-job"]) == 0
     assert daemon.orders[0].paths == ["b/2.jpg", "a with space.jpg", "c.jpg"]
     assert daemon.orders[0].epoch == 2 and daemon.orders[1].job == job != "cli-job"
+    assert not daemon.orders[0].next_epoch
     assert daemon.ends == ["cli-job"]
+
+
+def test_cli_announces_the_next_epoch(mounts, tmp_path, capsys):
+    one, _ = mounts
+    listing = tmp_path / "order.txt"
+    listing.write_text("b/2.jpg\na.jpg\n")
+    with daemon_thread(location.socket_path(str(one))) as daemon:
+        assert hint_main([str(one), str(listing), "--epoch", "2", "--next-follows",
+                          "--job", "cli-job"]) == 0
+        assert hint_main([str(one), str(listing), "--epoch", "3", "--next",
+                          "--job", "cli-job"]) == 0
+    assert capsys.readouterr().out == "cli-job\ncli-job\n"
+    assert [(o.epoch, o.next_follows, o.next_epoch, o.paths) for o in daemon.orders] == [
+        (2, True, False, ["b/2.jpg", "a.jpg"]), (3, False, True, ["b/2.jpg", "a.jpg"])]
 
 
 @pytest.mark.parametrize("args, error", [
@@ -191,6 +265,9 @@ def test_cli_sends_an_order_and_ends_it(mounts, tmp_path, capsys, monkeypatch):
     (["{one}", "/nonexistent"], "cannot read /nonexistent"),
     (["{one}"], "FILE_OF_PATHS is required"),
     (["{one}", "--end"], "--end needs --job"),
+    (["{one}", "--end", "--next", "--job", "j"], "--end takes no --next"),
+    (["{one}", "{listing}", "--next", "--next-follows"],
+     "an order of the next epoch announces no other"),
 ])
 def test_cli_errors_are_one_line(mounts, tmp_path, capsys, args, error):
     one, _ = mounts

@@ -52,6 +52,9 @@ def frame(kind: int, body: bytes, *, magic=MAGIC, version=VERSION, flags=0,
     Order("empty shard", 7, 8, 2, []),
     Order("j", 0, 1, protocol.MAX_EPOCH, ["x" * MAX_PATH_BYTES]),
     Order("j", 0, 1, 0, ["a/b\n c%+/d.jpg", "...", "..a", ".hidden/..x"]),
+    Order("host-1-abc", 2, 4, 8, ["train/b.jpg", "train/a.jpg"], next_epoch=True),
+    Order("empty next shard", 0, 1, 1, [], next_epoch=True),
+    Order("host-1-abc", 2, 4, 7, ["train/a.jpg"], next_follows=True),
     End("host-1-abc"),
     Reply(True),
     Reply(False, "permission denied: uid 65534 is not the mount owner"),
@@ -62,8 +65,10 @@ def test_round_trip(message):
     decoded = decode(data)
     assert type(decoded) is type(message)
     if isinstance(message, Order):
-        assert (decoded.job, decoded.rank, decoded.world_size, decoded.epoch) == (
-            message.job, message.rank, message.world_size, message.epoch)
+        assert (decoded.job, decoded.rank, decoded.world_size, decoded.epoch,
+                decoded.next_epoch, decoded.next_follows) == (
+            message.job, message.rank, message.world_size, message.epoch,
+            message.next_epoch, message.next_follows)
         assert list(decoded.paths) == list(message.paths)
     else:
         assert decoded == message
@@ -91,7 +96,11 @@ def test_error_reply_is_one_bounded_line():
     (frame(1, b"", magic=b"HTTP"), "bad magic"),
     (frame(1, b"", version=VERSION + 1), "unsupported protocol version 2"),
     (frame(9, b""), "unknown message kind 9"),
-    (frame(1, b"", flags=1), "unknown flags"),
+    (frame(1, b"", flags=4), "unknown flags 0x4 for ORDER"),
+    (frame(1, b"", flags=0x8001), "unknown flags 0x8001 for ORDER"),
+    (frame(1, b"", flags=3), "an order of the next epoch announces no other"),
+    (frame(2, b"", flags=1), "unknown flags 0x1 for END"),
+    (frame(3, b"", flags=1), "unknown flags 0x1 for REPLY"),
     (frame(1, b"", length=MAX_BODY_BYTES + 1), "over the limit"),
     (frame(2, b"", length=10_000), "END body of 10000 bytes is over the limit"),
     (frame(3, b"", length=1 << 20), "REPLY body"),
@@ -189,3 +198,37 @@ def test_bad_ends_and_replies(kind, body, message):
 def test_encode_refuses_what_would_not_decode(message, problem):
     with pytest.raises(ProtocolError, match=problem):
         encode(message)
+
+
+# --- Next-epoch orders ---------------------------------------------------------------
+
+
+def test_next_epoch_and_next_follows_are_order_flags_0_and_1():
+    plain = encode(Order("j", 0, 1, 4, ["a.jpg", "b.jpg"]))
+    ahead = encode(Order("j", 0, 1, 4, ["a.jpg", "b.jpg"], next_epoch=True))
+    follows = encode(Order("j", 0, 1, 4, ["a.jpg", "b.jpg"], next_follows=True))
+    assert ahead[HEADER_SIZE:] == follows[HEADER_SIZE:] == plain[HEADER_SIZE:], "one body"
+    assert [parse_header(frame[:HEADER_SIZE]) for frame in (plain, ahead, follows)] == [
+        (Kind.ORDER, len(plain) - HEADER_SIZE, flags) for flags in (0, 1, 2)]
+    assert [(decode(f).next_epoch, decode(f).next_follows) for f in (plain, ahead, follows)] \
+        == [(False, False), (True, False), (False, True)]
+    kind, _, flags = parse_header(ahead[:HEADER_SIZE])
+    assert decode_body(kind, ahead[HEADER_SIZE:], flags).next_epoch
+    with pytest.raises(ProtocolError, match="announces no other"):
+        encode(Order("j", 0, 1, 4, ["a.jpg"], next_epoch=True, next_follows=True))
+
+
+def test_a_next_epoch_order_is_validated_and_bounded_like_an_order():
+    body = order_body(paths=b"a\0../etc/passwd")
+    with pytest.raises(ProtocolError, match=r"path 1 has '\.\.' segment"):
+        decode(frame(Kind.ORDER, body, flags=protocol.FLAG_NEXT_EPOCH))
+    with pytest.raises(ProtocolError, match="over the limit"):
+        parse_header(frame(Kind.ORDER, b"", flags=protocol.FLAG_NEXT_EPOCH,
+                           length=MAX_BODY_BYTES + 1))
+    with pytest.raises(ProtocolError, match="rank 1 out of range"):
+        encode(Order("j", 1, 1, 0, ["x"], next_epoch=True))
+    # decode_body refuses flags the header would have: it is the daemon's other door.
+    with pytest.raises(ProtocolError, match="unknown flags 0x1 for END"):
+        decode_body(Kind.END, b"\0\x01j", protocol.FLAG_NEXT_EPOCH)
+    with pytest.raises(ProtocolError, match="unknown flags 0x4 for ORDER"):
+        decode_body(Kind.ORDER, order_body(), 4)

@@ -132,7 +132,7 @@ def receive_reply(sock: socket.socket) -> Reply:
         return data
 
     header = exactly(HEADER_SIZE)
-    kind, length = parse_header(header)
+    kind, length, _ = parse_header(header)
     reply = decode(header + exactly(length))
     assert kind is Kind.REPLY and isinstance(reply, Reply)
     return reply
@@ -171,6 +171,21 @@ def test_orders_and_ends_reach_the_callbacks(sock_path):
     assert not sock_path.exists(), "the socket is removed on exit"
 
 
+def test_a_next_epoch_order_reaches_on_order_marked_as_such(sock_path):
+    ahead = encode(Order("job-1", 0, 1, 4, ["train/b.jpg", "train/a.jpg"], next_epoch=True))
+    # Over BIG_BODY: read apart and decoded in a worker thread, the flag with it.
+    many = [f"train/{i:08d}_{'x' * 80}.jpg" for i in range(20_000)]
+    big = encode(Order("job-1", 0, 1, 5, many, next_epoch=True))
+    assert len(big) > hints_server.BIG_BODY
+    replies, daemon = serve(sock_path, lambda: [exchange(sock_path, GOOD),
+                                                exchange(sock_path, ahead),
+                                                exchange(sock_path, big)])
+    assert replies == [Reply(True)] * 3
+    assert [(o.epoch, o.next_epoch, o.paths) for o in daemon.orders] == [
+        (3, False, ["train/a.jpg", "train/b.jpg"]), (4, True, ["train/b.jpg", "train/a.jpg"]),
+        (5, True, many)]
+
+
 def test_a_million_paths_arrive(sock_path):
     paths = [f"train/c{i % 1000}/{i:08d}_{'x' * 80}.jpg" for i in range(1_000_000)]
     frame = encode(Order("big", 0, 1, 0, paths))
@@ -188,6 +203,8 @@ def test_a_million_paths_arrive(sock_path):
     (GOOD[:7], "truncated header: 7 of 12 bytes"),
     (encode(Reply(True)), "a client may not send a REPLY"),
     (header(Kind.ORDER, 3) + b"abc", "too short"),
+    (HEADER.pack(MAGIC, VERSION, Kind.ORDER, 0x10, 0), "unknown flags 0x10 for ORDER"),
+    (HEADER.pack(MAGIC, VERSION, Kind.END, 1, 0), "unknown flags 0x1 for END"),
 ])
 def test_bad_requests_get_an_error_reply_and_the_server_goes_on(sock_path, data, reason, caplog):
     def client() -> tuple[Reply, Reply, Reply]:

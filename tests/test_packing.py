@@ -130,3 +130,72 @@ def test_the_next_order_can_arrive_mid_epoch() -> None:
     assert packer2.add("z", 400) == []  # planned with x, which is not read
     assert packer2.set_next_order([(key, 400) for key in "zq"]) == []
     assert packed_keys(packer2.add("q", 400)) == ["z", "q"]
+
+
+# -- the next order announced: planned apart, held for, settled ----------------------------
+
+def test_a_plan_made_apart_is_the_same_as_set_next_order() -> None:
+    order = [(key, 300) for key in "hgfedcba"]
+    direct = NextEpochPacker(chunk_bytes=1000, small_limit=500)
+    apart = NextEpochPacker(chunk_bytes=1000, small_limit=500)
+    plan = NextEpochPacker(chunk_bytes=1000, small_limit=500).plan(order)  # any packer's
+    assert [packed_keys([c]) for c in plan.chunks] == [list("hgf"), list("edc"), list("ba")]
+    for key in "ab":
+        assert direct.add(key, 300) == apart.add(key, 300) == []
+    assert direct.set_next_order(order) == apart.use(plan) == [
+        ChunkPlan((Placement("b", 0, 300), Placement("a", 300, 300)), 6)]
+
+
+def test_while_the_next_order_is_expected_reads_wait_for_it() -> None:
+    packer = NextEpochPacker(chunk_bytes=1000, small_limit=500)
+    packer.expect_next()
+    assert packer.expecting and not packer.planned
+    for key in "abcdef":  # would make three read-order chunks
+        assert packer.add(key, 400, packed=key == "f") == []
+    assert packer.waiting() == list("abcdef")
+    emitted = packer.use(packer.plan([(key, 400) for key in "fedcba"]))
+    # in the order they complete, each laid out by the next order
+    assert [packed_keys([chunk]) for chunk in emitted] == [["b", "a"], ["d", "c"], ["f", "e"]]
+    assert [chunk.sequence for chunk in emitted] == [4, 2, 0]
+    assert not packer.expecting and packer.planned
+
+
+def test_a_next_order_that_never_comes_leaves_reads_in_read_order() -> None:
+    packer = NextEpochPacker(chunk_bytes=1000, small_limit=500)
+    packer.add("a", 400)
+    packer.expect_next()
+    for key in "bcd":
+        packer.add(key, 400, packed=key == "c")
+    # c was laid out already: kept only for the next order, never in read order
+    assert [packed_keys([chunk]) for chunk in packer.flush()] == [["a", "b"], ["d"]]
+    assert not packer.expecting and packer.flush() == []
+
+
+def test_settled_files_are_left_out_of_planned_chunks() -> None:
+    packer = NextEpochPacker(chunk_bytes=1000, small_limit=500)
+    packer.expect_next()
+    for key in "ab":
+        packer.add(key, 300)
+    # planned: [a b c] [d e f]; b is laid out where the plan wants it already
+    emitted = packer.use(packer.plan([(key, 300) for key in "abcdef"]), settled=["b"])
+    assert emitted == []
+    emitted = packer.add("c", 300)
+    assert emitted == [ChunkPlan((Placement("a", 0, 300), Placement("c", 300, 300)), 0)]
+    assert packer.add("b", 300) == []  # never packed again
+    for key in "df":
+        assert packer.add(key, 300) == []
+    # e turns out to be where it belongs too: its chunk is complete without it
+    assert packer.settle(["e"]) == [
+        ChunkPlan((Placement("d", 0, 300), Placement("f", 300, 300)), 3)]
+    assert packer.settle(["e"]) == [] and packer.flush() == []
+
+
+def test_a_chunk_left_empty_by_settling_is_never_emitted() -> None:
+    packer = NextEpochPacker(chunk_bytes=1000, small_limit=500,
+                             next_order=[(key, 300) for key in "abcdef"])
+    assert packer.settle("def") == []
+    for key in "abc":
+        packer.add(key, 300)
+    assert packer.flush() == []
+    assert NextEpochPacker(chunk_bytes=1000, small_limit=500).settle(["x"]) == [], \
+        "no next order: nothing to settle"
