@@ -40,6 +40,7 @@ from bucketfs.backends.urls import BucketUrl
 from bucketfs.cache.admin import save_counters
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.disk import CacheDirError, CacheDirUnwritable, DiskTier
+from bucketfs.cache.foresight import HintedVictims
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config
@@ -206,8 +207,10 @@ async def _serve_namespace(
         if config.prefetch_window > 0:
             prefetch = hinted_prefetch(namespace, config)
             # Evict what the plans read farthest ahead; unhinted blocks by the policy.
-            ram_policy = HintedPolicy(ram_policy, NextUse(prefetch.scheduler),
-                                      key_of=_file_of_block)
+            future = NextUse(prefetch.scheduler)
+            ram_policy = HintedPolicy(ram_policy, future, key_of=_file_of_block)
+            if disk is not None:  # the SSD tier too, from a few candidates per victim
+                disk.foresight = HintedVictims(future.outlook, future.plans)
         cache = BlockCache(
             store, RamTier(config.ram_cache, ram_policy),
             disk, block_size=config.block_size, nursery=nursery,

@@ -31,6 +31,9 @@ entries map to hinted objects through `key_of(entry)` (the daemon's entries are 
    exactly Belady's MIN: the farthest next use goes first (an entry no plan reads again
    is as good as any other such entry).
 
+`NextUse.outlook` serves the SSD tier, which cannot keep a heap per entry: it ranks a few
+candidates from the ends of its eviction order instead (bucketfs/cache/foresight.py).
+
 Efficiency (1M entries): no scan per victim. Positions in a plan's order never change
 as its reader moves, so each (plan, cost class) keeps a max-heap of its hinted entries
 on the absolute position of their next use; the order inside one heap is then valid
@@ -104,7 +107,7 @@ class NextUse:
         """The plan and the absolute position of the nearest unread use of `key`."""
         best: tuple[Plan, int] | None = None
         best_distance = 0
-        for plan in self.source.plans.values():
+        for plan in self.plans():
             position = plan.next_position(key)
             if position is None:
                 continue
@@ -121,7 +124,7 @@ class NextUse:
             return found
         best: Plan | None = None
         best_distance = 0.0
-        for plan in self.source.plans.values():
+        for plan in self.plans():
             if key in plan:
                 distance = expected_distance(plan)
                 if best is None or distance < best_distance:
@@ -141,6 +144,25 @@ class NextUse:
         """Whether the nearest hinted read of `key` is within its reader's window."""
         found = self.nearest(key)
         return found is not None and found[0].in_window(found[1])
+
+    def outlook(self, key: Hashable) -> tuple[bool, float] | None:
+        """(outside every reader's window, items until the next use) for `key`, None if
+        no plan reads it: what the SSD tier ranks its candidates by (cache/foresight.py).
+        Callable from the SSD tier's worker threads: it only reads the plans, which the
+        trio thread changes meanwhile, and an answer made stale by that only costs a
+        worse eviction choice."""
+        found = self.forecast(key)
+        if found is None:
+            return None
+        plan, position = found
+        if position is None:
+            return True, float(expected_distance(plan))
+        return not plan.in_window(position), float(position - plan.position)
+
+    def plans(self) -> list[Plan]:
+        """The plans now (a copy made in one C call: another thread may add or drop a
+        plan meanwhile)."""
+        return list(self.source.plans.values())
 
 
 def _identity(entry: Hashable) -> Hashable:

@@ -548,6 +548,12 @@ class ChunkStore:
         batch.put(key, encode_chunk(record))
         self.tier.index.write(batch)
 
+    def member_entries(self, chunk: int) -> list[bytes]:  # lock held
+        """The entries packed in `chunk` (moved-out members included); [] if unknown."""
+        value = self.tier.index.get(chunk_key(chunk))
+        record = None if value is None else self._parsed(value)
+        return [] if record is None else [m.entry for m in record.members]
+
     @staticmethod
     def _parsed(value: bytes) -> ChunkRecord | None:
         try:
@@ -577,7 +583,8 @@ class ChunkStore:
                 size = sum(len(d) for _, d, _ in kept)
                 if not kept:
                     return True
-                if size > tier.capacity or not tier._make_room(size):
+                incoming = [b.key for b in map(tier._block, (e for e, _, _ in kept)) if b]
+                if size > tier.capacity or not tier._make_room(size, incoming):
                     return False
                 chunk = self.next_id
                 self.next_id += 1

@@ -31,6 +31,7 @@ import os
 import struct
 import threading
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 from rocksdict import Options, Rdict, WriteBatch
@@ -42,8 +43,10 @@ from bucketfs.cache.chunks import (
     ChunkStore,
     chunk_of_rank_name,
     parse_packed,
+    rank_name,
 )
 from bucketfs.cache.durable import write_durably
+from bucketfs.cache.foresight import HintedVictims
 from bucketfs.cache.ranking import IndexRanking
 from bucketfs.prefetch.eviction import RankedPolicy
 
@@ -113,6 +116,8 @@ class DiskTier:
                                       "No space left"))
             raise (CacheDirUnwritable if unwritable else CacheDirError)(message) from None
         self.ranking = IndexRanking(self.index, policy)
+        #: Set when hinted orders tell the future: victims are then chosen by next use.
+        self.foresight: HintedVictims | None = None
         self.chunks = ChunkStore(self)
         self._load()
 
@@ -323,7 +328,7 @@ class DiskTier:
             with self.lock:
                 if entry in self.writing or self.index.get(ENTRY + entry) is not None:
                     return True
-                if not self._make_room(len(data)):
+                if not self._make_room(len(data), [block.key]):
                     return False
                 # Counted from now, so concurrent writers cannot overrun the budget together.
                 self.writing[entry] = len(data)
@@ -360,7 +365,7 @@ class DiskTier:
         path.parent.mkdir(exist_ok=True)
         write_durably(path, (MAGIC + _HEADER.pack(len(entry), len(data), crc) + entry, data))
 
-    def _make_room(self, size: int) -> bool:
+    def _make_room(self, size: int, incoming: Sequence[str] = ()) -> bool:
         """Evict until `size` more bytes fit the budget and the free-space floor. If the
         device is short of the floor by more than this tier holds, others filled it:
         evicting our blocks would not help, so nothing is evicted and nothing written."""
@@ -368,7 +373,7 @@ class DiskTier:
         if shortfall > self.used:
             return False
         while shortfall > 0:
-            victim = self.ranking.victim()
+            victim = self._victim(incoming)
             if victim is None:
                 return False
             chunk = chunk_of_rank_name(victim)
@@ -376,6 +381,8 @@ class DiskTier:
             if length is None:  # a rank key without a record: never written together
                 log.warning("cache: %s: the eviction order names a missing entry; "
                             "dropping it", self.directory)
+                if not self.ranking.victim_key:  # named by a record, not a rank key
+                    return False
                 self.index.delete(self.ranking.victim_key)
                 continue
             if chunk is None:
@@ -383,6 +390,44 @@ class DiskTier:
             self.evictions += 1
             shortfall -= length
         return True
+
+    def _victim(self, incoming: Sequence[str]) -> bytes | None:
+        """The policy's victim, or with hints the entry used farthest ahead; None when
+        there is nothing to evict (with hints: nothing outside the readers' windows, or
+        what comes in, the data of the objects `incoming`, is used later than anything
+        here)."""
+        if self.foresight is None:
+            return self.ranking.victim()
+        future = self.foresight.future(incoming)
+        chosen = self.foresight.choose(self.ranking.head(), self.ranking.tail(),
+                                       self._keys_of, future,
+                                       self.foresight.behind(self._stored))
+        if chosen is None:
+            return None
+        self.ranking.victim_key = chosen[0]
+        return chosen[1]
+
+    def _stored(self, key: str) -> list[tuple[bytes, bytes]]:
+        """(rank key, name in the eviction order) of each version and block of `key`
+        here: the block's entry, or the chunk it is packed in. The rank key is left
+        empty: these names come from records that exist, so it is never needed."""
+        prefix = ENTRY + f"{self.namespace}\0{key}\0".encode("utf-8", "surrogateescape")
+        found = []
+        it = self.index.iter()
+        it.seek(prefix)
+        while it.valid() and (name := it.key()).startswith(prefix):
+            packed = parse_packed(it.value())
+            found.append((b"", name[len(ENTRY):] if packed is None
+                          else rank_name(packed.chunk)))
+            it.next()
+        return found
+
+    def _keys_of(self, name: bytes) -> list[str]:
+        """The object keys a name in the eviction order holds data of (a chunk: its
+        members')."""
+        chunk = chunk_of_rank_name(name)
+        entries = [name] if chunk is None else self.chunks.member_entries(chunk)
+        return [block.key for block in map(self._block, entries) if block is not None]
 
     def _floor_shortfall(self, size: int) -> int:
         if not self.free_floor:

@@ -22,6 +22,7 @@ Not thread-safe: the SSD tier calls it under its lock.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 from rocksdict import Rdict, WriteBatch
 
@@ -158,6 +159,41 @@ class IndexRanking:
             first = first or key
             it.next()
         return first if fallback else None
+
+    def head(self) -> Iterator[tuple[bytes, bytes]]:
+        """(index key, entry) in eviction order: `victim()`'s choice first, then the rank
+        order, skipping entries in their cool-down. For hinted eviction (foresight.py)."""
+        first = self.victim()
+        if first is None:
+            return
+        yield self.victim_key, first
+        yield from self._walk(forward=True, skip=first, cooled=True)
+
+    def tail(self) -> Iterator[tuple[bytes, bytes]]:
+        """(index key, entry) from the other end of the rank order: the entries the
+        policy would keep longest (in a hinted epoch, mostly what was just read; the
+        cool-down, a guard for entries with no history, does not apply: the future is
+        known)."""
+        yield from self._walk(forward=False, skip=b"", cooled=False)
+
+    def _walk(self, *, forward: bool, skip: bytes,
+              cooled: bool) -> Iterator[tuple[bytes, bytes]]:
+        it = self.index.iter()
+        if forward:
+            it.seek(RANK)
+        else:
+            it.seek_for_prev(bytes([RANK[0] + 1]))
+        while it.valid():
+            key = it.key()
+            if not key.startswith(RANK):
+                return
+            entry = key[1 + self.rank_width:]
+            if entry != skip and not (cooled and entry in self.cooling):
+                yield key, entry
+            if forward:
+                it.next()
+            else:
+                it.prev()
 
     def clear_keys(self) -> None:
         """Delete every rank and recency key (before rebuilding them for another policy)."""

@@ -1,0 +1,117 @@
+"""Hinted eviction on the SSD tier against Belady's MIN, on a real mount:
+
+    python -m bench.ssd_eviction [--files 1000] [--epochs 4] [--file-kb 40]
+
+Makes a file:// bucket of FILES files, mounts it twice (with hints, and without: the
+configured policy alone) with an SSD cache of half the dataset and a 1 MiB RAM cache,
+and reads EPOCHS epochs, each in a new shuffled order (the same orders for both), one
+file at a time; with hints the order is sent first (`send_order`, as HintSampler does).
+The page cache is dropped between epochs, so every read reaches the daemon. It counts
+the origin's GETs per epoch (the daemon's metrics) and compares the later epochs' hit
+ratio (1 - GETs / files) with MIN's on the same trace, for a cache of the SSD's size and
+of SSD + RAM. Needs root (FUSE, drop_caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import os
+import random
+import tempfile
+from pathlib import Path
+
+from bucketfs.hints import send_order
+from tests.mounting import mounted
+from tests.servers import free_ports
+from tests.test_fuse_hints import metrics
+
+GETS = 'bucketfs_origin_requests_total{kind="get"}'
+RAM_BYTES = 1 << 20
+
+
+def belady_hits(trace: list[int], capacity: int) -> list[bool]:
+    """MIN with equal sizes: per reference, whether it hit."""
+    never = len(trace)
+    next_use = [never] * len(trace)
+    seen: dict[int, int] = {}
+    for i in range(len(trace) - 1, -1, -1):
+        next_use[i] = seen.get(trace[i], never)
+        seen[trace[i]] = i
+    cached: dict[int, int] = {}
+    farthest: list[tuple[int, int]] = []
+    hits = []
+    for i, key in enumerate(trace):
+        hits.append(key in cached)
+        cached[key] = next_use[i]
+        heapq.heappush(farthest, (-next_use[i], key))
+        while len(cached) > capacity:
+            neg, victim = heapq.heappop(farthest)
+            if cached.get(victim) == -neg:
+                del cached[victim]
+    return hits
+
+
+def read_epochs(mnt: Path, names: list[str], orders: list[list[int]], port: int,
+                hinted: bool) -> list[int]:
+    gets = []
+    for epoch, order in enumerate(orders):
+        before = metrics(port)[GETS]
+        if hinted:
+            send_order([str(mnt / names[i]) for i in order], epoch=epoch, job="bench",
+                       strict=True)
+        for i in order:
+            (mnt / names[i]).read_bytes()
+        gets.append(int(metrics(port)[GETS] - before))
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    return gets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=1000)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--file-kb", type=int, default=40)
+    args = parser.parse_args()
+    size = args.file_kb * 1000
+    ssd_files = args.files // 2
+    ram_files = RAM_BYTES // size
+    rng = random.Random(1)
+    orders = [rng.sample(range(args.files), args.files) for _ in range(args.epochs)]
+    with tempfile.TemporaryDirectory(prefix="bench-ssd-") as tmp:
+        base = Path(tmp)
+        names = [f"c{i % 10}/{i:06d}.bin" for i in range(args.files)]
+        for name in names:
+            (base / "bucket" / name).parent.mkdir(parents=True, exist_ok=True)
+            (base / "bucket" / name).write_bytes(os.urandom(size))
+        gets = {}
+        for mode in ("hinted", "plain"):
+            port = free_ports(1)[0]
+            with mounted(f"file://{base / 'bucket'}", base / f"mnt-{mode}",
+                         "--cache-dir", str(base / f"cache-{mode}"),
+                         "--disk-cache", str(ssd_files * size),
+                         "--ram-cache", str(RAM_BYTES), "--disk-free-floor", "0",
+                         "--metrics-port", str(port)) as mnt:
+                gets[mode] = read_epochs(mnt, names, orders, port, mode == "hinted")
+    trace = [i for order in orders for i in order]
+    later = args.files * (args.epochs - 1)
+
+    def later_ratio(hits: list[bool]) -> float:
+        return sum(hits[args.files:]) / later
+
+    min_ssd = later_ratio(belady_hits(trace, ssd_files))
+    min_both = later_ratio(belady_hits(trace, ssd_files + ram_files))
+    print(f"{args.files} files of {args.file_kb} KB, SSD {ssd_files} files, "
+          f"RAM {ram_files} files, {args.epochs} shuffled epochs")
+    print("GETs per epoch:", ", ".join(f"{m} {g}" for m, g in gets.items()))
+    print(f"MIN hit ratio, epochs 2-{args.epochs}: SSD-sized {min_ssd:.3f}, "
+          f"SSD+RAM-sized {min_both:.3f}")
+    for mode, counts in gets.items():
+        ratio = 1 - sum(counts[1:]) / later
+        print(f"{mode}: hit ratio {ratio:.3f} = {ratio / min_ssd:.3f} of MIN (SSD-sized), "
+              f"{ratio / min_both:.3f} of MIN (SSD+RAM-sized)")
+
+
+if __name__ == "__main__":
+    main()
