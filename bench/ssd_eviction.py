@@ -27,6 +27,7 @@ from tests.servers import free_ports
 from tests.test_fuse_hints import metrics
 
 GETS = 'bucketfs_origin_requests_total{kind="get"}'
+SSD_HITS = 'bucketfs_cache_hits_total{tier="ssd"}'
 RAM_BYTES = 1 << 20
 
 
@@ -62,7 +63,12 @@ def read_epochs(mnt: Path, names: list[str], orders: list[list[int]], port: int,
                        strict=True)
         for i in order:
             (mnt / names[i]).read_bytes()
-        gets.append(int(metrics(port)[GETS] - before))
+        after = metrics(port)
+        gets.append(int(after[GETS] - before))
+        print(f"  {'hinted' if hinted else 'plain'} epoch {epoch}: {gets[-1]} GETs, "
+              f"{after['bucketfs_cache_ssd_chunks']:.0f} chunks "
+              f"({after['bucketfs_cache_ssd_packed_bytes'] / 1e6:.1f} MB packed), "
+              f"SSD hits {after[SSD_HITS]:.0f}", flush=True)
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     return gets

@@ -3,9 +3,10 @@ files in the order they will be read next (bucketfs/cache/chunks.py stores them)
 
 Each opened file of a hinted order goes to its job's `NextEpochPacker`, which cuts
 chunks of about 4 MiB; a complete chunk's bytes are taken from RAM or the
-write-through queue, else from the file's block on SSD, never from the origin (a file
-the SSD tier chose not to keep is left out), and written by the SSD tier in a worker
-thread under the cache's disk limiter. Chunks carry the 8-byte fingerprint
+write-through queue, else from the file's block on SSD, never from the origin; a file
+the SSD tier did not keep is left out (packing lays out what the SSD tier keeps, it does
+not decide what it keeps). The SSD tier writes the chunk in a worker thread under the
+cache's disk limiter. Chunks carry the 8-byte fingerprint
 (`layout_tag`) of the order they are laid out for.
 
 Which order: the one the next epoch reads. When the job announced it (an ORDER with
@@ -186,22 +187,27 @@ class ChunkPacking:
 
     async def _bytes(self, obj: ObjectRef, block: BlockId,
                      deadline: float) -> tuple[bytes, float] | None:
-        """A member's bytes and cost from RAM, the write-through queue, the fetch under
-        way or its block on SSD; never a GET of its own. A chunk is complete when its
-        last file is opened, and that file's read may not have started yet: it gets
-        until `deadline` to show up. A file the SSD tier chose not to keep (hinted
-        eviction keeps what readers have yet to read) is left out."""
+        """A member's bytes and cost, if the SSD tier keeps the file: from RAM, the
+        write-through queue, the fetch under way or its block on SSD; never a GET of its
+        own. Packing lays out what the SSD tier keeps and never decides what it keeps: a
+        file it did not store (hinted eviction keeps what readers have yet to read) is
+        left out. A chunk is complete when its last file is opened, and that file's read
+        may not have started yet: it gets until `deadline` to show up."""
         while True:
-            held = self.cache.held(block)
-            if held is None and block in self.cache.inflight:
+            if block in self.cache.inflight:
                 with contextlib.suppress(Exception):  # the reader sees its own error
                     await self.cache.get(obj, 0)  # joins that fetch
+            queued = self.cache.writing.get(block)
+            if queued is not None:  # on its way to SSD
+                return queued
+            if block in self.disk:
                 held = self.cache.held(block)
-            if held is None:
-                held = await trio.to_thread.run_sync(self.disk.get, block,
-                                                     limiter=self.cache.disk_limiter)
-            if held is not None or trio.current_time() >= deadline:
+                if held is None:
+                    held = await trio.to_thread.run_sync(self.disk.get, block,
+                                                         limiter=self.cache.disk_limiter)
                 return held
+            if self.cache.held(block) is not None or trio.current_time() >= deadline:
+                return None  # read, and not stored on SSD; or not read in time
             await trio.sleep(_READ_POLL_S)
 
     async def _write(self, chunk: ChunkPlan, layout: bytes,

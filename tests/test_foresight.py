@@ -182,3 +182,20 @@ def test_files_in_a_reader_window_are_never_evicted(tmp_path) -> None:
         tier.read(f"other/{i}")
     for key in window:
         assert BlockId(key, "v1", 0) in tier.disk
+
+
+def test_packing_stored_files_into_a_chunk_evicts_nothing(tmp_path) -> None:
+    # A full tier re-lays out files it already holds: their block files give their room
+    # back when the chunk is indexed, so nothing else has to go (it used to evict a
+    # chunk's worth of files the readers had yet to read).
+    tier = DiskTier(tmp_path / "tier", 8 * SIZE, make_policy("cost-lrfu"), namespace="test")
+    blocks = [BlockId(f"f{i}", "v1", 0) for i in range(8)]
+    for block in blocks:
+        assert tier.put(block, block.key.encode().ljust(SIZE, b"."), 0.01)
+    assert tier.write_chunk([(b, b.key.encode().ljust(SIZE, b"."), 0.01) for b in blocks[:4]],
+                            b"layout01")
+    assert tier.evictions == 0
+    assert all(block in tier for block in blocks)
+    assert tier.used == 8 * SIZE
+    for block in blocks:
+        assert tier.get(block)[0] == block.key.encode().ljust(SIZE, b".")

@@ -144,6 +144,11 @@ def parse_packed(value: bytes) -> Packed | None:
     return Packed(*_PACKED.unpack(value)[1:])
 
 
+def _block_record(value: bytes | None) -> bool:
+    """Whether an `E` record is there and names a block file (not a packed member)."""
+    return value is not None and not is_packed(value)
+
+
 def chunk_key(chunk: int) -> bytes:
     return CHUNK + chunk.to_bytes(8, "big")
 
@@ -583,8 +588,14 @@ class ChunkStore:
                 size = sum(len(d) for _, d, _ in kept)
                 if not kept:
                     return True
-                incoming = [b.key for b in map(tier._block, (e for e, _, _ in kept)) if b]
-                if size > tier.capacity or not tier._make_room(size, incoming):
+                # Members stored as block files give their room back in the batch that
+                # indexes the chunk: a re-layout needs room only for what is new here,
+                # and only what is new is weighed against what it would evict.
+                stored = {e for e, _, _ in kept if _block_record(tier.index.get(ENTRY + e))}
+                new = [(e, d) for e, d, _ in kept if e not in stored]
+                incoming = [b.key for b in map(tier._block, (e for e, _ in new)) if b]
+                if size > tier.capacity or (
+                        new and not tier._make_room(sum(len(d) for _, d in new), incoming)):
                     return False
                 chunk = self.next_id
                 self.next_id += 1

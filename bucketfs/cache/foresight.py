@@ -19,19 +19,19 @@ Each candidate's future comes from `Forecast`: (outside every window, distance i
 or None. A chunk (several packed files, evicted whole) is as near as its nearest member.
 The candidate with the largest (outside, distance) is evicted, unless the entry coming in
 is used no sooner: MIN would not keep it, so it is not stored on SSD (it stays in RAM
-until RAM lets it go). A tie keeps what is there: no write is spent to change nothing,
-and while a new epoch's order is still being resolved (every file looks read then, all
-ties) the files that epoch will read are not rotated out. This is what keeps a cache smaller than an epoch full of files the
-epoch has yet to read, instead of rotating what was just read through it. An entry with
-no hinted future (a reader without hints) is always admitted by the policy's rules:
-unknown is not "never". Data fetched ahead for a reader's window is read from RAM (the
-RAM tier keeps the window), so on SSD it is worth only its use after that read, which is
-not known: it is stored only in place of data with no hinted future, never in place of
-a file a reader is still to read (MIN with RAM in front: the two tiers do not both spend
-room on one file). Never one inside a
-reader's window while anything else is found: when every candidate is, the walk doubles,
-up to `MAX_WALK` from each end; if all of those are in a window too, nothing is evicted
-and the new block is not stored on SSD (it stays in RAM): the window is being read now.
+until RAM lets it go). This is what keeps a cache smaller than an epoch full of files
+the epoch has yet to read, instead of rotating what was just read through it. A tie
+keeps what is there: no write is spent to change nothing, and while a new epoch's order
+is still being resolved (every file looks read then, all ties) the files that epoch
+will read are not rotated out. An entry with no hinted future (a reader without hints)
+is always admitted by the policy's rules: unknown is not "never". Data fetched ahead for
+a reader's window is read from RAM (the RAM tier keeps the window), so on SSD it is
+worth only its use after that read, which is not known: it is stored only in place of
+data with no hinted future, never in place of a file a reader is still to read (MIN
+with RAM in front: the two tiers do not both spend room on one file). Never one inside
+a reader's window while anything else is found: when every candidate is, the walk
+doubles, up to `MAX_WALK` from each end; if all of those are in a window too, nothing is
+evicted and the new block is not stored on SSD (it stays in RAM): the window is being read now.
 
 Approximate by design: `WALK` candidates per end, not all entries. Runs in the SSD tier's
 worker threads under its lock; `Forecast` must be safe to call from any thread (it reads
