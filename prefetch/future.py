@@ -223,6 +223,11 @@ class HintedPolicy(EvictionPolicy):
         self._heaps: dict[_Group, list[_Record]] = {}  # hinted, farthest on top
         self._behind: dict[_Group, list[_Record]] = {}  # the same, nearest on top
         self._groups: dict[_Group, EvictionPolicy] = {}  # expected to be read again
+        # Entries referenced since their state was copied into their group: refreshed
+        # only when the group picks one as its victim (see _fresh).
+        self._stale: set[Hashable] = set()
+        # Entries admitted or referenced and not filed since (see _file_later).
+        self._unfiled: dict[Hashable, None] = {}
         self._records = 0
         self._seq = 0
         self._version = future.version
@@ -232,26 +237,29 @@ class HintedPolicy(EvictionPolicy):
         self._sync()
         self._all.admit(key, size, cost)
         self._set_entry(key, size, cost)
-        self._file(key, referenced=True)
+        self._file_later(key)
 
     def touch(self, key: Hashable) -> None:
         if key not in self._entries:
             return
         self._sync()
         self._all.touch(key)
-        self._file(key, referenced=True)
+        self._file_later(key)
 
     def remove(self, key: Hashable) -> None:
         if self._entries.pop(key, None) is None:
             return
         self._all.remove(key)
         self._unhinted.remove(key)
+        self._stale.discard(key)
+        self._unfiled.pop(key, None)
         filing = self._filed.pop(key, None)  # a heap record is now outdated
         if filing is not None and filing.position is None:
             self._groups[filing.plan, filing.cost_class].remove(key)
 
     def victim(self) -> Hashable | None:
         self._sync()
+        self._file_unfiled()
         self._file_passed()
         self._unhinted.restore_clock(self._all.export_clock())
         key = self._unhinted.victim()
@@ -282,7 +290,7 @@ class HintedPolicy(EvictionPolicy):
         self._sync()
         self._all.restore(key, size, cost, state)
         self._set_entry(key, size, cost)
-        self._file(key, referenced=True)
+        self._file_later(key)
 
     @property
     def clock(self) -> int:
@@ -298,6 +306,7 @@ class HintedPolicy(EvictionPolicy):
     def hinted(self, key: Hashable) -> bool:
         """Whether `key` is ranked by its future (else by the fallback alone)."""
         self._sync()
+        self._file_unfiled()
         return key in self._filed
 
     # -- internals --------------------------------------------------------------------
@@ -327,14 +336,17 @@ class HintedPolicy(EvictionPolicy):
             if filing is not None:
                 self._leave(key, filing)
             if referenced or key not in self._unhinted:
+                # Kept exact: without hints this is the configured policy, decision for
+                # decision (a lazy copy would see other global stats, e.g. cost-lrfu's).
                 self._copy_into(self._unhinted, key)
             return
         plan, position = found
         if key in self._unhinted:
             self._unhinted.remove(key)
+            self._stale.discard(key)
         if filing is not None and filing.plan is plan and filing.position == position:
             if position is None and referenced:
-                self._copy_into(self._groups[plan, filing.cost_class], key)
+                self._stale.add(key)
             return
         if filing is not None:
             self._leave(key, filing)
@@ -356,16 +368,49 @@ class HintedPolicy(EvictionPolicy):
         if self._records > 4 * len(self._filed) + 1024:
             self._compact()
 
+    def _file_later(self, key: Hashable) -> None:
+        """File `key` when a victim is next wanted, not now: a RAM tier that holds what
+        the readers read (a warm epoch) never evicts, and then never pays for filing;
+        one that evicts files each entry once per victim instead of once per hit. With
+        no plan at all it is filed now, so that this is the fallback policy, decision
+        for decision."""
+        if self.future.source.plans:
+            self._unfiled[key] = None
+        else:
+            self._file(key, referenced=True)
+
+    def _file_unfiled(self) -> None:
+        for key in self._unfiled:
+            self._file(key, referenced=True)
+        self._unfiled.clear()
+
     def _leave(self, key: Hashable, filing: _Filing) -> None:
         del self._filed[key]  # a heap record is now outdated
         if filing.position is None:
             self._groups[filing.plan, filing.cost_class].remove(key)
+            self._stale.discard(key)
 
     def _copy_into(self, policy: EvictionPolicy, key: Hashable) -> None:
         """Copy the entry's state from the full history into one of the copies."""
         entry = self._entries[key]
         policy.restore_clock(self._all.export_clock())
         policy.restore(key, entry.size, entry.cost, self._all.export(key))
+        self._stale.discard(key)
+
+    def _fresh(self, policy: EvictionPolicy) -> Hashable | None:
+        """A group's victim, its state brought up to date first. A hit raises an
+        entry's own rank (more recent, more frequent), so an entry whose copy is out of
+        date looks like a better victim than it is: the copy is refreshed when it is
+        picked, and the pick made again. This keeps a RAM hit on a file a plan has read
+        at one update of the full history instead of two. Within a group the order can
+        differ from an eager copy's where a policy ranks by global statistics too
+        (cost-lrfu's staleness horizon): entries there all wait for the same epoch, so
+        that order is a tie-break."""
+        while True:
+            key = policy.victim()
+            if key is None or key not in self._stale:
+                return key
+            self._copy_into(policy, key)
 
     def _file_passed(self) -> None:
         """File again the hinted entries whose position the reader has passed."""
@@ -397,7 +442,7 @@ class HintedPolicy(EvictionPolicy):
         clock = self._all.export_clock()
         for group_id, group in list(self._groups.items()):
             group.restore_clock(clock)
-            key = group.victim()
+            key = self._fresh(group)
             if key is None:
                 del self._groups[group_id]
                 continue
@@ -447,5 +492,6 @@ class HintedPolicy(EvictionPolicy):
         for key in [k for k, filing in self._filed.items() if filing.plan not in live]:
             del self._filed[key]
         for key in self._entries:
-            self._file(key, referenced=False, push=False)
+            self._file(key, referenced=key in self._unfiled, push=False)
+        self._unfiled.clear()
         self._compact()

@@ -383,6 +383,8 @@ def test_no_scan_per_victim() -> None:
     policy = HintedPolicy(CostAwareLRFU(cooldown=0), future)
     for key in range(entries):
         policy.admit(key, SIZE, COST)
+    assert future.calls == 0  # filed when a victim is first wanted, not per admission
+    assert policy.hinted(0)
     filing = future.calls
     assert filing == entries
     for step in range(5000):  # readers move at different speeds; entries go and return

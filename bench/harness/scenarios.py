@@ -56,5 +56,8 @@ LINKS = {
     for link in (
         Link("near", rtt_ms=2, mbit=1000),  # a bucket in the same region
         Link("far", rtt_ms=30, mbit=200),  # a bucket a continent away
+        # 20 ms away on a thin pipe: slow enough that a 2-core machine decodes the
+        # images as fast as they arrive, so the link, not the CPU, bounds an epoch.
+        Link("slow", rtt_ms=20, mbit=50),
     )
 }
