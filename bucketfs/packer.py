@@ -6,8 +6,8 @@ chunks of about 4 MiB; a complete chunk's bytes are taken from RAM or the
 write-through queue, else from the file's block on SSD, never from the origin; a file
 the SSD tier did not keep is left out (packing lays out what the SSD tier keeps, it does
 not decide what it keeps). The SSD tier writes the chunk in a worker thread under the
-cache's disk limiter. Chunks carry the 8-byte fingerprint
-(`layout_tag`) of the order they are laid out for.
+cache's disk limiter. Chunks carry the 8-byte fingerprint (`layout_tag`) of the order
+they are laid out for.
 
 Which order: the one the next epoch reads. When the job announced it (an ORDER with
 `next_epoch`, which HintSampler sends where the sampler makes it certain), the files
@@ -103,8 +103,8 @@ class ChunkPacking:
 
     def new_order(self, job: Hashable, layout: bytes, *, expect_next: bool = False) -> None:
         """A new epoch for `job`: what its last epoch read and did not pack yet is
-        packed now; this epoch's reads go into a new layout. `expect_next`: the job's
-        next order is on its way (`expect_next`)."""
+        packed now; this epoch's reads go into a new layout. `expect_next`: the job
+        said its next order follows: its reads are held for it."""
         self.end(job)
         relayout = self._last_layout.get(job) == layout
         self._last_layout[job] = layout
