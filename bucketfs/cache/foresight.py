@@ -61,7 +61,7 @@ Candidate = tuple[bytes, bytes]
 
 
 class HintedVictims:
-    """Chooses one SSD victim from the two ends of the eviction order (module docstring)."""
+    """Chooses one SSD victim among a few candidates (module docstring)."""
 
     def __init__(self, forecast: Forecast, plans: Callable[[], Sequence[Plan]] = list, *,
                  walk: int = WALK, max_walk: int = MAX_WALK) -> None:
