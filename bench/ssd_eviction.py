@@ -15,12 +15,12 @@ of SSD + RAM. Needs root (FUSE, drop_caches).
 from __future__ import annotations
 
 import argparse
-import heapq
 import os
 import random
 import tempfile
 from pathlib import Path
 
+from bench.simulate import Result, Trace, simulate_min
 from bucketfs.hints import send_order
 from tests.mounting import mounted
 from tests.servers import free_ports
@@ -29,28 +29,6 @@ from tests.test_fuse_hints import metrics
 GETS = 'bucketfs_origin_requests_total{kind="get"}'
 SSD_HITS = 'bucketfs_cache_hits_total{tier="ssd"}'
 RAM_BYTES = 1 << 20
-
-
-def belady_hits(trace: list[int], capacity: int) -> list[bool]:
-    """MIN with equal sizes: per reference, whether it hit."""
-    never = len(trace)
-    next_use = [never] * len(trace)
-    seen: dict[int, int] = {}
-    for i in range(len(trace) - 1, -1, -1):
-        next_use[i] = seen.get(trace[i], never)
-        seen[trace[i]] = i
-    cached: dict[int, int] = {}
-    farthest: list[tuple[int, int]] = []
-    hits = []
-    for i, key in enumerate(trace):
-        hits.append(key in cached)
-        cached[key] = next_use[i]
-        heapq.heappush(farthest, (-next_use[i], key))
-        while len(cached) > capacity:
-            neg, victim = heapq.heappop(farthest)
-            if cached.get(victim) == -neg:
-                del cached[victim]
-    return hits
 
 
 def read_epochs(mnt: Path, names: list[str], orders: list[list[int]], port: int,
@@ -100,14 +78,15 @@ def main() -> None:
                          "--ram-cache", str(RAM_BYTES), "--disk-free-floor", "0",
                          "--metrics-port", str(port)) as mnt:
                 gets[mode] = read_epochs(mnt, names, orders, port, mode == "hinted")
-    trace = [i for order in orders for i in order]
     later = args.files * (args.epochs - 1)
+    trace = Trace("epochs", "shuffled epochs", [i for order in orders for i in order],
+                  sizes=[1] * args.files, costs=[0.0] * args.files)
 
-    def later_ratio(hits: list[bool]) -> float:
-        return sum(hits[args.files:]) / later
+    def min_ratio(capacity: int) -> float:
+        # The first epoch has no hits (every file is new), so MIN's hits are all later.
+        return simulate_min(trace, capacity, Result("min", 0.0, capacity)).hits / later
 
-    min_ssd = later_ratio(belady_hits(trace, ssd_files))
-    min_both = later_ratio(belady_hits(trace, ssd_files + ram_files))
+    min_ssd, min_both = min_ratio(ssd_files), min_ratio(ssd_files + ram_files)
     print(f"{args.files} files of {args.file_kb} KB, SSD {ssd_files} files, "
           f"RAM {ram_files} files, {args.epochs} shuffled epochs")
     print("GETs per epoch:", ", ".join(f"{m} {g}" for m, g in gets.items()))

@@ -103,11 +103,13 @@ class NextUse:
         """Changes whenever positions held by a caller may have become stale."""
         return self.source.plans_version
 
-    def nearest(self, key: Hashable) -> tuple[Plan, int] | None:
-        """The plan and the absolute position of the nearest unread use of `key`."""
+    def nearest(self, key: Hashable,
+                plans: list[Plan] | None = None) -> tuple[Plan, int] | None:
+        """The plan and the absolute position of the nearest unread use of `key`
+        (among `plans`, a copy `forecast` already made; else the plans now)."""
         best: tuple[Plan, int] | None = None
         best_distance = 0
-        for plan in self.plans():
+        for plan in self.plans() if plans is None else plans:
             position = plan.next_position(key)
             if position is None:
                 continue
@@ -119,12 +121,13 @@ class NextUse:
     def forecast(self, key: Hashable) -> tuple[Plan, int | None] | None:
         """`nearest(key)` if some plan has an unread use of `key`; else the plan that is
         expected to read it again soonest, with None for the position; else None."""
-        found = self.nearest(key)
+        plans = self.plans()  # one copy for both passes
+        found = self.nearest(key, plans)
         if found is not None or not self.expect_rereads:
             return found
         best: Plan | None = None
         best_distance = 0.0
-        for plan in self.plans():
+        for plan in plans:
             if key in plan:
                 distance = expected_distance(plan)
                 if best is None or distance < best_distance:

@@ -368,9 +368,9 @@ def test_blocks_map_to_their_file() -> None:
 class CountingNextUse(NextUse):
     calls = 0
 
-    def nearest(self, key: Hashable) -> object:  # type: ignore[override]
+    def nearest(self, key: Hashable, plans=None) -> object:  # type: ignore[override]
         self.calls += 1
-        return super().nearest(key)
+        return super().nearest(key, plans)
 
 
 def test_no_scan_per_victim() -> None:

@@ -147,17 +147,10 @@ class IndexRanking:
         `fallback`, the first key if all are cooling (the budget must still be kept)."""
         width = 16 if prefix == RECENCY else self.rank_width
         first = None
-        it = self.index.iter()
-        it.seek(prefix)
-        # At most len(cooling) keys are skipped.
-        while it.valid():
-            key = it.key()
-            if not key.startswith(prefix):
-                break
+        for key in self._keys(prefix):  # at most len(cooling) keys are skipped
             if key[1 + width:] not in self.cooling:
                 return key
             first = first or key
-            it.next()
         return first if fallback else None
 
     def head(self) -> Iterator[tuple[bytes, bytes]]:
@@ -167,33 +160,32 @@ class IndexRanking:
         if first is None:
             return
         yield self.victim_key, first
-        yield from self._walk(forward=True, skip=first, cooled=True)
+        for key in self._keys(RANK):
+            entry = key[1 + self.rank_width:]
+            if entry != first and entry not in self.cooling:
+                yield key, entry
 
     def tail(self) -> Iterator[tuple[bytes, bytes]]:
         """(index key, entry) from the other end of the rank order: the entries the
         policy would keep longest (in a hinted epoch, mostly what was just read; the
         cool-down, a guard for entries with no history, does not apply: the future is
         known)."""
-        yield from self._walk(forward=False, skip=b"", cooled=False)
+        for key in self._keys(RANK, backward=True):
+            yield key, key[1 + self.rank_width:]
 
-    def _walk(self, *, forward: bool, skip: bytes,
-              cooled: bool) -> Iterator[tuple[bytes, bytes]]:
+    def _keys(self, prefix: bytes, *, backward: bool = False) -> Iterator[bytes]:
+        """The index keys under `prefix`, in order (or from the last one back)."""
         it = self.index.iter()
-        if forward:
-            it.seek(RANK)
+        if backward:
+            it.seek_for_prev(bytes([prefix[0] + 1]))
         else:
-            it.seek_for_prev(bytes([RANK[0] + 1]))
-        while it.valid():
-            key = it.key()
-            if not key.startswith(RANK):
-                return
-            entry = key[1 + self.rank_width:]
-            if entry != skip and not (cooled and entry in self.cooling):
-                yield key, entry
-            if forward:
-                it.next()
-            else:
+            it.seek(prefix)
+        while it.valid() and (key := it.key()).startswith(prefix):
+            yield key
+            if backward:
                 it.prev()
+            else:
+                it.next()
 
     def clear_keys(self) -> None:
         """Delete every rank and recency key (before rebuilding them for another policy)."""
