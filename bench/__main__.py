@@ -1,7 +1,8 @@
 """bucketfs against local disk and the other ways to read a bucket, on a shaped link.
 
     python -m bench run --scenario imagenet-small [--link near|far] [--repeat N]
-                        [--contenders a,b,c] [--epochs E] [--gpu-ms MS] ...
+                        [--contenders a,b,c] [--epochs E] [--gpu-ms MS]
+                        [--bucketfs-flags "--prefetch-connections 4"] ...
     python -m bench clean      remove what a crashed run left (namespaces, mounts)
     python -m bench report DIR rewrite DIR/report.md and DIR/*.png from DIR/results.json
 
@@ -12,6 +13,7 @@ Needs root (network namespaces, tc, drop_caches, FUSE). Results: bench/results/<
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import signal
 import sys
@@ -37,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--gpu-ms", type=float, default=50.0,
                      help="simulated GPU time per batch, in ms (0: none)")
     run.add_argument("--threads", type=int, default=16, help="threads of the raw reads")
+    run.add_argument("--train-only", action="store_true",
+                     help="training epochs only (no raw or sequential reads)")
+    run.add_argument("--bucketfs-flags", default="",
+                     help="extra `bucketfs mount` flags for every bucketfs contender, "
+                          "e.g. \"--prefetch-connections 4\"")
     run.add_argument("--out", type=Path, default=Path("bench/results"))
     commands.add_parser("clean", help="remove namespaces and mounts a crashed run left")
     report = commands.add_parser("report", help="rewrite report.md and the plots of a run "
@@ -70,11 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         contenders = parse_contenders(args.contenders)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    extra = tuple(shlex.split(args.bucketfs_flags))
+    contenders = [dataclasses.replace(c, flags=c.flags + extra)
+                  if extra and c.name.startswith("bucketfs") else c for c in contenders]
     settings = runner.Settings(
         scenario=SCENARIOS[args.scenario], link=LINKS[args.link], repeats=args.repeat,
         contenders=contenders, epochs=args.epochs, workers=args.workers,
         batch_size=args.batch_size, gpu_ms=args.gpu_ms, threads=args.threads,
-        out=args.out, command=shlex.join(["python", "-m", "bench", *sys.argv[1:]]),
+        out=args.out, train_only=args.train_only,
+        command=shlex.join(["python", "-m", "bench", *sys.argv[1:]]),
     )
     runner.run(settings)
     return 0

@@ -218,9 +218,10 @@ OPTIONS: tuple[Option, ...] = (
            "bytes in flight or fetched and not yet read, over all jobs together (at "
            "most half of ram_cache)", '"512MiB"'),
     Option("hints", "prefetch_connections", _positive_int, 24,
-           "most parallel GETs of hinted prefetch; it starts with 8 and adds more while "
-           "they raise the throughput (kept below origin.max_connections, so a reader's "
-           "own miss always finds a connection)", "24"),
+           "most parallel GETs of hinted prefetch; it starts with 4, adds more while "
+           "they raise the throughput and drops some while the throughput holds without "
+           "them (kept below origin.max_connections, so a reader's own miss always finds "
+           "a connection)", "24"),
     Option("hints", "hints_group", _optional_str, None,
            "a group (name or gid) whose members may also send hints; the mount owner "
            "and root always may", None),

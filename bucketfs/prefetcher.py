@@ -79,13 +79,15 @@ class HintedPrefetch:
         self.block_size = block_size
         self.connections = max(1, connections)
         # Start low and add GETs while they still raise the throughput (DLCache: enough
-        # fetches in flight to cover the link's latency), up to `connections`.
+        # fetches in flight to cover the link's latency), up to `connections`. Low, because
+        # on a thin link every GET too many delays the files the readers need first.
         self.concurrency = AdaptiveConcurrency(
             minimum=min(4, self.connections), maximum=self.connections,
-            initial=min(8, self.connections), period_s=0.5)
+            initial=min(4, self.connections), period_s=0.5)
         self.scheduler = PrefetchScheduler(window_bytes=window_bytes,
                                            budget_bytes=budget_bytes, is_cached=self._cached)
         self.cache: BlockCache | None = None
+        self._origin_bytes = 0  # the cache's origin bytes when a fetch last ended
         self.packing: ChunkPacking | None = None
         #: Object key -> the version an order resolved it to (what prefetch fetches).
         self.objects: dict[str, ObjectRef] = {}
@@ -113,6 +115,7 @@ class HintedPrefetch:
     def attach(self, cache: BlockCache) -> None:
         """The cache exists after the RAM tier, whose policy needs the scheduler."""
         self.cache = cache
+        self._origin_bytes = cache.stats.origin_bytes
         cache.ram.on_evict = self._ram_evicted
         if cache.disk is not None:
             self.packing = ChunkPacking(cache, self.objects, self.block_size)
@@ -331,8 +334,16 @@ class HintedPrefetch:
             finally:
                 del self._tasks[key]
         if outcome != self.scheduler.cancelled:
-            self.concurrency.record(started, trio.current_time(), obj.size,
-                                    ok=outcome == self.scheduler.fetched)
+            # The link's throughput, readers' own GETs included: judged on prefetch's
+            # share alone, more GETs would seem to help whenever they only took
+            # bandwidth from the readers.
+            carried = self.cache.stats.origin_bytes - self._origin_bytes
+            self._origin_bytes += carried
+            before = self.concurrency.target
+            after = self.concurrency.record(started, trio.current_time(), carried,
+                                            ok=outcome == self.scheduler.fetched)
+            if after != before:
+                log.debug("hints: %d GETs in flight at most, was %d", after, before)
         outcome(key)
         self._poke()
 

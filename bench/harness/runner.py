@@ -57,6 +57,8 @@ class Settings:
     threads: int
     out: Path
     command: str
+    #: Skip the raw session (raw and sequential reads): training epochs only.
+    train_only: bool = False
 
 
 def log(message: str) -> None:
@@ -236,6 +238,8 @@ class Harness:
                 records.append(self.daemon_record(session, "training session"))
         except Exception as exc:
             records += session_failed(exc, ["metadata", "train", "daemon"], records)
+        if self.settings.train_only:
+            return records
         try:
             with self.session(contender, "raw") as session:
                 records += self.run_workloads(session.spec, ["raw", "sequential"],

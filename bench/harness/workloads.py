@@ -10,6 +10,7 @@ phases to run, in order:
               DataLoader with W workers, decode + RandomResizedCrop(224) + ToTensor,
               optionally `gpu_ms` of simulated GPU time per batch; per epoch the wall
               time, images/s, and the stall: time the loop waited for its next batch
+              (and how much of it was the wait for the first batch)
   raw         every image read in a shuffled order by T threads, no decode; cold, then
               warm (a second pass)
   sequential  each large file read front to back in 1 MiB reads
@@ -191,6 +192,7 @@ def phase_train(spec: dict[str, Any], probe: Probe) -> list[dict[str, Any]]:
             waited = time.perf_counter()
             batches = iter(loader)  # starts the workers: waiting for data too
             stall = time.perf_counter() - waited
+            first_batch = None
             try:
                 while True:
                     waited = time.perf_counter()
@@ -199,12 +201,14 @@ def phase_train(spec: dict[str, Any], probe: Probe) -> list[dict[str, Any]]:
                     except StopIteration:
                         break
                     stall += time.perf_counter() - waited
+                    if first_batch is None:
+                        first_batch = stall  # start-up: workers, first files, decode
                     images += len(batch)
                     if gpu_seconds:
                         time.sleep(gpu_seconds)  # the GPU step: no CPU, no I/O
             finally:
                 del batches  # stops the workers now, so their CPU time is counted
-            return {"images": images, "stall_s": stall}
+            return {"images": images, "stall_s": stall, "first_batch_s": first_batch or 0.0}
 
         record = _measured(probe, one_epoch)
         record.update(item=f"epoch {epoch}", images_per_s=record["images"] / record["seconds"],
