@@ -115,6 +115,34 @@ def test_paths_that_name_nothing_are_skipped_and_counted():
     trio.run(with_daemon, backend, body)
 
 
+def test_prefetch_concurrency_is_judged_on_all_the_bytes_the_origin_sent():
+    # Readers' own GETs share the link with prefetch: a controller that counted only
+    # prefetch's bytes would see more GETs "help" whenever they took bandwidth from the
+    # readers.
+    objects = dataset(12)
+    backend = MemoryBackend(objects)
+    paths = [key.removeprefix("train/") for key in objects]
+
+    async def body(prefetch, read):
+        carried: list[int] = []
+        record = prefetch.concurrency.record
+
+        def counting(started: float, finished: float, nbytes: int, *, ok: bool = True) -> int:
+            carried.append(nbytes)
+            return record(started, finished, nbytes, ok=ok)
+
+        prefetch.concurrency.record = counting
+        for path in paths[:4]:  # read before any order: the readers' own GETs
+            await read(path)
+        prefetch.on_order(order("a", paths[4:]))
+        await settle(prefetch)
+        assert prefetch.scheduler.stats().prefetches_started == len(paths) - 4
+        assert sum(carried) == prefetch.cache.stats.origin_bytes == sum(
+            len(data) for data in objects.values())
+
+    trio.run(with_daemon, backend, body)
+
+
 def test_a_newer_order_and_the_end_of_a_job_win():
     objects = dataset(30)
     backend = MemoryBackend(objects)
