@@ -88,6 +88,7 @@ class HintedPrefetch:
                                            budget_bytes=budget_bytes, is_cached=self._cached)
         self.cache: BlockCache | None = None
         self._origin_bytes = 0  # the cache's origin bytes when a fetch last ended
+        self._target_logged = self.concurrency.target
         self.packing: ChunkPacking | None = None
         #: Object key -> the version an order resolved it to (what prefetch fetches).
         self.objects: dict[str, ObjectRef] = {}
@@ -128,7 +129,12 @@ class HintedPrefetch:
             nursery.start_soon(self._expire_idle_plans)
             task_status.started()
             while True:
-                free = self.concurrency.update(trio.current_time()) - len(self._tasks)
+                target = self.concurrency.update(trio.current_time())
+                if target != self._target_logged:
+                    log.debug("hints: %d GETs in flight at most, was %d", target,
+                              self._target_logged)
+                    self._target_logged = target
+                free = target - len(self._tasks)
                 if free > 0:
                     for key in self.scheduler.next_fetches(free):
                         nursery.start_soon(self._fetch, key)
@@ -339,11 +345,8 @@ class HintedPrefetch:
             # bandwidth from the readers.
             carried = self.cache.stats.origin_bytes - self._origin_bytes
             self._origin_bytes += carried
-            before = self.concurrency.target
-            after = self.concurrency.record(started, trio.current_time(), carried,
-                                            ok=outcome == self.scheduler.fetched)
-            if after != before:
-                log.debug("hints: %d GETs in flight at most, was %d", after, before)
+            self.concurrency.record(started, trio.current_time(), carried,
+                                    ok=outcome == self.scheduler.fetched)
         outcome(key)
         self._poke()
 
