@@ -14,7 +14,7 @@ together in one WriteBatch, so a crash never leaves them disagreeing.
 What stays in Python is small: the clocks (references and misses), the sum and count of
 gaps between references (cost-lrfu's staleness horizon) and the entries still in their
 cool-down; an entry cools for `cooldown` references after its admission, so at most
-`cooldown` entries do.
+`cooldown` entries do; and per prefix a floor that scans start from (see `floors`).
 
 Not thread-safe: the SSD tier calls it under its lock.
 """
@@ -54,6 +54,13 @@ class IndexRanking:
         self.rank_width = 8 * len(policy.rank(policy.new_state(1, 0.0, 1, 1)))
         #: The index key through which `victim()` last found its entry.
         self.victim_key = b""
+        #: Per prefix, a key no live key sorts below: scans start there. Below the
+        #: lowest live key lie only deleted ones, and RocksDB steps over deleted keys
+        #: one by one until a compaction drops them: with evictions taking the lowest
+        #: keys, by the third epoch of a full tier that cost milliseconds per eviction.
+        #: A scan raises the floor to the first key it finds; a key written below the
+        #: floor lowers it.
+        self.floors = {RANK: RANK, RECENCY: RECENCY}
 
     # --- keys --------------------------------------------------------------------------
 
@@ -66,9 +73,13 @@ class IndexRanking:
                 + max(state.last, 0).to_bytes(8, "big") + entry)
 
     def _put_keys(self, batch: WriteBatch, entry: bytes, state: EntryState) -> None:
-        batch.put(self._rank_key(entry, state), b"")
+        keys = [self._rank_key(entry, state)]
         if self.policy.stale_after > 0:
-            batch.put(self._recency_key(entry, state), b"")
+            keys.append(self._recency_key(entry, state))
+        for key in keys:
+            batch.put(key, b"")
+            prefix = key[:1]
+            self.floors[prefix] = min(self.floors[prefix], key)
 
     def _delete_keys(self, batch: WriteBatch, entry: bytes, state: EntryState) -> None:
         batch.delete(self._rank_key(entry, state))
@@ -179,7 +190,9 @@ class IndexRanking:
         if backward:
             it.seek_for_prev(bytes([prefix[0] + 1]))
         else:
-            it.seek(prefix)
+            it.seek(self.floors[prefix])
+            if it.valid() and it.key().startswith(prefix):
+                self.floors[prefix] = it.key()  # the lowest live key
         while it.valid() and (key := it.key()).startswith(prefix):
             yield key
             if backward:
@@ -191,3 +204,4 @@ class IndexRanking:
         """Delete every rank and recency key (before rebuilding them for another policy)."""
         for prefix in (RANK, RECENCY):
             self.index.delete_range(prefix, bytes([prefix[0] + 1]))
+            self.floors[prefix] = prefix
