@@ -48,6 +48,7 @@ from bucketfs.cache.chunks import (
 from bucketfs.cache.durable import write_durably
 from bucketfs.cache.foresight import HintedVictims
 from bucketfs.cache.ranking import IndexRanking
+from bucketfs.cache.scans import prefixed
 from bucketfs.prefetch.eviction import RankedPolicy
 
 log = logging.getLogger(__name__)
@@ -413,13 +414,10 @@ class DiskTier:
         empty: these names come from records that exist, so it is never needed."""
         prefix = ENTRY + f"{self.namespace}\0{key}\0".encode("utf-8", "surrogateescape")
         found = []
-        it = self.index.iter()
-        it.seek(prefix)
-        while it.valid() and (name := it.key()).startswith(prefix):
-            packed = parse_packed(it.value())
+        for name, value in prefixed(self.index, prefix):
+            packed = parse_packed(value)
             found.append((b"", name[len(ENTRY):] if packed is None
                           else rank_name(packed.chunk)))
-            it.next()
         return found
 
     def _keys_of(self, name: bytes) -> list[str]:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from rocksdict import Rdict, WriteBatch
 
+from bucketfs.cache.scans import prefixed
+
 ROOT_INODE = 1
 ENTRY = b"N"
 INODE = b"I"
@@ -127,25 +129,16 @@ class TreeIndex:
         """(name, record) of a directory's entries in name order, from the first name
         after `after` (readdir resumes there)."""
         prefix = self._dir_prefix(parent)
-        it = self.index.iter()
-        it.seek(prefix if after is None else self._entry_key(parent, after) + b"\0")
-        while it.valid():
-            key = it.key()
-            if not key.startswith(prefix):
-                return
-            yield key[len(prefix):].decode("utf-8", "surrogateescape"), Record.unpack(it.value())
-            it.next()
+        start = None if after is None else self._entry_key(parent, after) + b"\0"
+        for key, value in prefixed(self.index, prefix, start):
+            yield key[len(prefix):].decode("utf-8", "surrogateescape"), Record.unpack(value)
 
     def any_file_key(self) -> str | None:
         """The key of one object some listing names (to probe access with a HEAD)."""
-        prefix = ENTRY + self.space
-        it = self.index.iter()
-        it.seek(prefix)
-        while it.valid() and it.key().startswith(prefix):
-            record = Record.unpack(it.value())
+        for _, value in prefixed(self.index, ENTRY + self.space):
+            record = Record.unpack(value)
             if not record.is_dir:
                 return record.key
-            it.next()
         return None
 
     # --- writes -------------------------------------------------------------------------
