@@ -1,7 +1,8 @@
 """A small HTTP/1.1 reverse proxy that injects faults between a client and an object store.
 
-    with FaultProxy("127.0.0.1", 8333) as proxy:
+    with FaultProxy("127.0.0.1", 8333, seed=1) as proxy:
         proxy.add_rule(method="GET", path_contains="/bucket/key", action="status:503", times=2)
+        proxy.add_rule(method="GET", action="reset", probability=0.05)
         ...  # point the client at proxy.endpoint
 
 Requests are forwarded verbatim (Host header included, so SigV4 signatures still match),
@@ -11,10 +12,25 @@ connection gets one thread and one upstream connection. Request bodies are buffe
 keep-alive connection be replayed once on a fresh one.
 
 Actions:
-  "status:NNN"   reply NNN without forwarding (S3 XML or GCS JSON error body, per `flavor`)
-  "drop"         close the client connection without a reply
-  "truncate"     forward, send half the body under the original Content-Length, then close
-  "delay:SECS"   wait, then forward
+  "status:NNN"       reply NNN without forwarding (S3 XML or GCS JSON error body, per `flavor`)
+  "status:NNN:SECS"  the same with a `Retry-After: SECS` header
+  "drop"             close the client connection without a reply
+  "truncate"         forward, send half the body under the original Content-Length, then close
+  "reset"            forward, send half the body, then reset the connection (RST)
+  "stall:SECS"       forward, send half the body, then say nothing for SECS and close
+  "delay:SECS"       wait, then forward
+  "unpin"            forward without the version precondition (If-Match; GCS's generation
+                     and ifGenerationMatch), as a store that ignores it would; for S3, whose
+                     signature covers If-Match, the proxy needs a `signer` (`sigv4_signer`)
+  "hide:HEADER"      forward, leaving that header out of the response
+
+A rule with a `probability` below 1 applies to that share of the requests it matches,
+drawn from the proxy's RNG (`seed`). `faults` tallies what was injected, by action.
+
+`outage("refuse")` takes the link down: the port is closed (connects are refused) and
+open connections are cut. `outage("blackhole")` leaves the port open but answers nothing:
+requests and bodies in flight wait until the link is back (the client gives up first if
+its timeout is shorter). `restore()` brings the link back on the same port.
 """
 
 from __future__ import annotations
@@ -22,14 +38,24 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import random
 import socket
+import struct
 import threading
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import TracebackType
 from typing import BinaryIO, Self
 
 _CHUNK = 64 * 1024
+#: (method, target, headers) -> the headers, signed anew for the rewritten request.
+Signer = Callable[[str, str, list[tuple[str, str]]], list[tuple[str, str]]]
+_CUTS = ("truncate", "reset", "stall")
+# Lower-case names of the query parameters and headers that pin a version.
+_PIN_PARAMS = ("generation", "ifgenerationmatch")
+_PIN_HEADERS = ("if-match", "x-goog-if-generation-match")
 _S3_ERRORS = {
     500: ("InternalError", "We encountered an internal error. Please try again."),
     503: ("SlowDown", "Please reduce your request rate."),
@@ -42,6 +68,7 @@ class _Rule:
     path_contains: str | None
     action: str
     times: int | None
+    probability: float
 
     def matches(self, method: str, path: str) -> bool:
         return (
@@ -66,14 +93,38 @@ class _Request:
 def _check_action(action: str) -> None:
     kind, _, arg = action.partition(":")
     if kind == "status":
-        HTTPStatus(int(arg))  # a status we can name in the reply
+        code, _, retry_after = arg.partition(":")
+        HTTPStatus(int(code))  # a status we can name in the reply
+        if retry_after:
+            int(retry_after)
         return
-    if kind in ("drop", "truncate") and not arg:
+    if kind in ("drop", "truncate", "reset", "unpin") and not arg:
         return
-    if kind == "delay":
+    if kind in ("delay", "stall"):
         float(arg)
         return
+    if kind == "hide" and arg:
+        return
     raise ValueError(f"unknown fault action {action!r}")
+
+
+def sigv4_signer(access_key: str, secret_key: str, region: str) -> Signer:
+    """Signs a rewritten S3 request anew (SigV4 covers headers such as If-Match)."""
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    auth = S3SigV4Auth(Credentials(access_key, secret_key), "s3", region)
+    replaced = {"authorization", "x-amz-date", "x-amz-content-sha256"}
+
+    def sign(method: str, target: str, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        kept = {k: v for k, v in headers if k.lower() not in replaced}
+        host = next(v for k, v in kept.items() if k.lower() == "host")
+        request = AWSRequest(method=method, url=f"http://{host}{target}", headers=kept)
+        auth.add_auth(request)
+        return list(request.headers.items())
+
+    return sign
 
 
 def _read_head(rfile: BinaryIO) -> _Request | None:
@@ -113,7 +164,7 @@ class _Connection:
         self.upstream: http.client.HTTPConnection | None = None
 
     def abort(self) -> None:
-        """Wake the thread whatever it is blocked on (stop() calls this)."""
+        """Wake the thread whatever it is blocked on (stop() and outages call this)."""
         for sock in (self.client, self.upstream.sock if self.upstream else None):
             if sock is not None:
                 with contextlib.suppress(OSError):
@@ -136,7 +187,7 @@ class _Connection:
     def _serve_one(self, rfile: BinaryIO) -> bool:
         """Handle one request; False when the connection must close."""
         request = _read_head(rfile)
-        if request is None:
+        if request is None or not self.proxy._pass(request=True):
             return False
         action = self.proxy._record(request.method, request.target)
         if action == "drop":
@@ -147,18 +198,28 @@ class _Connection:
             request.headers = [(k, v) for k, v in request.headers if k.lower() != "expect"]
         request.body = _read_body(rfile, request)
         keep_alive = (request.header("Connection") or "").lower() != "close"
-        if action is not None and action.startswith("status:"):
-            self._reply_error(request, int(action.partition(":")[2]))
+        kind, _, arg = (action or "").partition(":")
+        if kind == "status":
+            code, _, retry_after = arg.partition(":")
+            self._reply_error(request, int(code), retry_after)
             return keep_alive
-        if (
-            action is not None
-            and action.startswith("delay:")
-            and self.proxy.stopping.wait(float(action.partition(":")[2]))
-        ):
+        if kind == "delay" and self.proxy.stopping.wait(float(arg)):
             return False  # stopping
-        return self._forward(request, truncate=action == "truncate") and keep_alive
+        if kind == "unpin":
+            self._unpin(request)
+        return self._forward(request, action or "") and keep_alive
 
-    def _reply_error(self, request: _Request, status: int) -> None:
+    def _unpin(self, request: _Request) -> None:
+        """The request as a store that ignores version preconditions would act on it."""
+        request.headers = [(k, v) for k, v in request.headers if k.lower() not in _PIN_HEADERS]
+        path, sep, query = request.target.partition("?")
+        if sep:
+            kept = [p for p in query.split("&") if p.partition("=")[0].lower() not in _PIN_PARAMS]
+            request.target = path + ("?" + "&".join(kept) if kept else "")
+        if self.proxy.signer is not None:
+            request.headers = self.proxy.signer(request.method, request.target, request.headers)
+
+    def _reply_error(self, request: _Request, status: int, retry_after: str) -> None:
         if self.proxy.flavor == "gcs":
             error = {"code": status, "message": "injected by FaultProxy"}
             body = json.dumps({"error": {**error, "errors": [error]}}).encode()
@@ -170,8 +231,9 @@ class _Connection:
                 f"<Error><Code>{code}</Code><Message>{message}</Message></Error>"
             ).encode()
             content_type = "application/xml"
+        extra = f"Retry-After: {retry_after}\r\n" if retry_after else ""
         head = (
-            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n{extra}"
             f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
         self.client.sendall(head if request.method == "HEAD" else head + body)
@@ -198,22 +260,24 @@ class _Connection:
                 self.upstream.close()
         return self._send(request)
 
-    def _forward(self, request: _Request, *, truncate: bool) -> bool:
-        """Relay the upstream response; False when the connection must close."""
+    def _forward(self, request: _Request, action: str) -> bool:
+        """Relay the upstream response (cut short if `action` says so); False when the
+        connection must close."""
         resp = self._exchange(request)
+        self.proxy._answered(request.method, request.target, resp.status)
+        kind, _, arg = action.partition(":")
+        hidden = arg.lower() if kind == "hide" else None
         version = "1.0" if resp.version == 10 else "1.1"
         head = f"HTTP/{version} {resp.status} {resp.reason}\r\n"
-        head += "".join(f"{name}: {value}\r\n" for name, value in resp.getheaders())
+        head += "".join(
+            f"{name}: {value}\r\n" for name, value in resp.getheaders() if name.lower() != hidden
+        )
         self.client.sendall((head + "\r\n").encode("latin-1"))
-        if truncate:
-            # Half the body under the original framing, then hang up: a short read.
-            body = resp.read()
-            half = body[: len(body) // 2]
-            if resp.chunked:
-                half = b"%x\r\n%s\r\n" % (len(half), half)
-            self.client.sendall(half)
-            return False
+        if kind in _CUTS:
+            return self._cut(resp, kind, arg)
         while data := resp.read1(_CHUNK):
+            if not self.proxy._pass():
+                return False  # the link went down mid-body
             self.client.sendall(b"%x\r\n%s\r\n" % (len(data), data) if resp.chunked else data)
         if resp.chunked:
             self.client.sendall(b"0\r\n\r\n")
@@ -222,19 +286,52 @@ class _Connection:
         resp.close()
         return not resp.will_close
 
+    def _cut(self, resp: http.client.HTTPResponse, kind: str, arg: str) -> bool:
+        """Half the body under the original framing, then hang up, reset or go silent."""
+        body = resp.read()
+        half = body[: len(body) // 2]
+        if half and resp.chunked:
+            half = b"%x\r\n%s\r\n" % (len(half), half)
+        self.client.sendall(half)
+        if kind == "reset":
+            # Linger 0: closing sends RST instead of FIN.
+            self.client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        elif kind == "stall":
+            self.proxy.stopping.wait(float(arg))
+        return False
+
 
 class FaultProxy:
-    def __init__(self, upstream_host: str, upstream_port: int, *, flavor: str = "s3") -> None:
-        """`flavor` ("s3" or "gcs") picks the error body of injected statuses."""
+    def __init__(
+        self,
+        upstream_host: str,
+        upstream_port: int,
+        *,
+        flavor: str = "s3",
+        seed: int | None = None,
+        signer: Signer | None = None,
+    ) -> None:
+        """`flavor` ("s3" or "gcs") picks the error body of injected statuses; `seed` the
+        draws of rules with a probability; `signer` signs requests that "unpin" rewrote."""
         if flavor not in ("s3", "gcs"):
             raise ValueError(f"flavor must be 's3' or 'gcs', not {flavor!r}")
         self.upstream = (upstream_host, upstream_port)
         self.flavor = flavor
+        self.signer = signer
         self.port = 0
         #: Every request seen, faulted or not: (method, path with query as sent).
         self.requests: list[tuple[str, str]] = []
+        #: Every response the upstream gave: (method, path as forwarded, status).
+        self.answers: list[tuple[str, str, int]] = []
+        #: Faults injected since the start, by action ("blackhole": requests that arrived
+        #: while the link was blackholed; "cut": connections an outage cut).
+        self.faults: Counter[str] = Counter()
         self.stopping = threading.Event()
         self._lock = threading.Lock()
+        # The link's state: "up", "refuse" or "blackhole"; the acceptor follows it.
+        self._link = "up"
+        self._link_changed = threading.Condition(self._lock)
+        self._rng = random.Random(seed)
         self._rules: list[_Rule] = []
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
@@ -250,18 +347,23 @@ class FaultProxy:
         path_contains: str | None = None,
         action: str = "status:503",
         times: int | None = None,
+        probability: float = 1.0,
     ) -> None:
         """Fault the requests that match (all given criteria); `times=None` means always.
-        Rules are tried in the order they were added; the first live match applies."""
+        Rules are tried in the order they were added; the first live match that its
+        probability draw lets through applies."""
         _check_action(action)
+        if not 0 < probability <= 1:
+            raise ValueError(f"probability must be in (0, 1], not {probability}")
         with self._lock:
-            self._rules.append(_Rule(method, path_contains, action, times))
+            self._rules.append(_Rule(method, path_contains, action, times, probability))
 
     def clear(self) -> None:
-        """Drop every rule and forget the requests seen so far."""
+        """Drop every rule and forget the requests and answers seen so far (not `faults`)."""
         with self._lock:
             self._rules.clear()
             self.requests.clear()
+            self.answers.clear()
 
     def count(self, method: str | None = None, path_contains: str | None = None) -> int:
         """How many requests seen so far match."""
@@ -271,35 +373,104 @@ class FaultProxy:
                 for m, p in self.requests
             )
 
+    def outage(self, mode: str = "refuse") -> None:
+        """Take the link down (see the module docstring); returns once it is down."""
+        if mode not in ("refuse", "blackhole"):
+            raise ValueError(f"outage mode must be 'refuse' or 'blackhole', not {mode!r}")
+        with self._link_changed:
+            self._link = mode
+            self._link_changed.notify_all()
+        if mode == "refuse":
+            self._await_listener(listening=False)
+            with self._lock:
+                active = list(self._active)
+                self.faults["cut"] += len(active)
+            for conn in active:
+                conn.abort()
+
+    def restore(self) -> None:
+        """Bring the link back; returns once the port accepts connections again."""
+        with self._link_changed:
+            self._link = "up"
+            self._link_changed.notify_all()
+        self._await_listener(listening=True)
+
+    def _await_listener(self, *, listening: bool) -> None:
+        with self._link_changed:
+            if not self._link_changed.wait_for(
+                lambda: (self._listener is not None) == listening or self.stopping.is_set(),
+                timeout=10,
+            ):
+                raise RuntimeError(f"the proxy's port did not {'open' if listening else 'close'}")
+
+    def _pass(self, *, request: bool = False) -> bool:
+        """Hold the caller (a new `request`, or a body in flight) while the link is
+        blackholed; False once it is refused or the proxy stops (the connection closes)."""
+        with self._link_changed:
+            if request and self._link == "blackhole":
+                self.faults["blackhole"] += 1
+            while self._link == "blackhole" and not self.stopping.is_set():
+                self._link_changed.wait(0.1)
+            return self._link == "up" and not self.stopping.is_set()
+
     def _record(self, method: str, path: str) -> str | None:
         """Log a request and pick its fault, if any."""
         with self._lock:
             self.requests.append((method, path))
             for rule in self._rules:
-                if rule.matches(method, path):
+                if rule.matches(method, path) and (
+                    rule.probability >= 1 or self._rng.random() < rule.probability
+                ):
                     if rule.times is not None:
                         rule.times -= 1
+                    self.faults[rule.action] += 1
                     return rule.action
         return None
+
+    def _answered(self, method: str, path: str, status: int) -> None:
+        with self._lock:
+            self.answers.append((method, path, status))
 
     def _forget(self, conn: _Connection) -> None:
         with self._lock:
             self._active.pop(conn, None)
 
     def start(self) -> Self:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        # accept() polls, so stop() does not depend on close() waking a blocked accept.
-        self._listener.settimeout(0.1)
+        self._listener = self._listen(0)
         self.port = self._listener.getsockname()[1]
         self._acceptor = threading.Thread(target=self._accept, name="faultproxy", daemon=True)
         self._acceptor.start()
         return self
 
+    @staticmethod
+    def _listen(port: int) -> socket.socket:
+        listener = socket.create_server(("127.0.0.1", port))
+        # accept() polls, so stop() and outages do not depend on close() waking it.
+        listener.settimeout(0.1)
+        return listener
+
+    def _listening(self) -> socket.socket | None:
+        """The listener, opened or closed to follow the link's state (acceptor thread)."""
+        with self._link_changed:
+            up = self._link != "refuse"
+            if up and self._listener is None:
+                self._listener = self._listen(self.port)  # same port: clients keep it
+                self._link_changed.notify_all()
+            elif not up and self._listener is not None:
+                self._listener.close()
+                self._listener = None
+                self._link_changed.notify_all()
+            return self._listener
+
     def _accept(self) -> None:
-        assert self._listener is not None
         while not self.stopping.is_set():
+            listener = self._listening()
+            if listener is None:
+                with self._link_changed:
+                    self._link_changed.wait(0.1)
+                continue
             try:
-                client, _ = self._listener.accept()
+                client, _ = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -313,7 +484,9 @@ class FaultProxy:
             thread.start()
 
     def stop(self) -> None:
-        self.stopping.set()
+        with self._link_changed:
+            self.stopping.set()
+            self._link_changed.notify_all()
         if self._acceptor is not None:
             self._acceptor.join()
         if self._listener is not None:

@@ -564,3 +564,23 @@ def test_store_gives_up_after_the_attempt_budget(proxied: Proxied) -> None:
     assert proxied.proxy.count(path_contains=path) == downloads + POLICY.attempts
     # Another key is unaffected.
     assert trio.run(store.get_range, "two", two.version, 0, 10) == BIG[:10]
+
+
+def test_a_local_file_rewritten_in_place_during_a_read_is_refused(tmp_path, monkeypatch):
+    # A writer changing the file in place (not by a rename) between the version check
+    # and the read would hand back bytes of two versions: the version is checked again.
+    (tmp_path / "f.bin").write_bytes(b"a" * 1000)
+    backend = LocalBackend(tmp_path)
+    version = backend.head("f.bin").version
+    real_pread = os.pread
+
+    def pread_then_rewrite(fd, length, offset):
+        data = real_pread(fd, length, offset)
+        with open(tmp_path / "f.bin", "r+b") as f:
+            f.write(b"b" * 10)
+        os.utime(tmp_path / "f.bin", ns=(1, 1))
+        return data
+
+    monkeypatch.setattr(os, "pread", pread_then_rewrite)
+    with pytest.raises(VersionChanged, match="while it was read"):
+        backend.get_range("f.bin", version, 0, 100)

@@ -62,6 +62,11 @@ class TransientError(BackendError):
     """Worth retrying: throttling (503 SlowDown, 429), 5xx, timeouts, dropped connections,
     and short or truncated responses."""
 
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        #: Seconds the server asked us to wait (a Retry-After header), if it said.
+        self.retry_after = retry_after
+
 
 RETRYABLE: tuple[type[BackendError], ...] = (TransientError, Unreachable)
 
@@ -92,7 +97,13 @@ class Backend(Protocol):
         """Exactly bytes [start, start + length) of that version of the object.
 
         `start + length` must not pass the object's end. Raises VersionChanged if the
-        object no longer has `version`, TransientError if fewer bytes arrived."""
+        object no longer has `version`, TransientError if fewer bytes arrived.
+
+        The request names the version (a precondition) and the response's own version is
+        compared with it as well, so a store that ignores the precondition cannot hand
+        back another version's bytes. A response that names no version at all cannot be
+        checked: it is a BackendError (not retried; every answer of such a store would
+        be the same), never bytes taken on trust."""
         ...
 
     def close(self) -> None: ...

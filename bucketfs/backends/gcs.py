@@ -32,7 +32,13 @@ from bucketfs.backends.base import (
     Unreachable,
     VersionChanged,
 )
-from bucketfs.backends.common import TRANSIENT_STATUS, mtime_ns, one_line, public_endpoint
+from bucketfs.backends.common import (
+    TRANSIENT_STATUS,
+    mtime_ns,
+    one_line,
+    public_endpoint,
+    retry_after,
+)
 from bucketfs.backends.settings import BackendSettings
 
 log = logging.getLogger(__name__)
@@ -49,9 +55,6 @@ _FAILURES = (
     storage_exceptions.DataCorruption,
     ConnectionError,
 )
-
-
-
 
 
 def _credentials(bucket: str, settings: BackendSettings) -> tuple[Credentials, str]:
@@ -146,6 +149,9 @@ class GcsBackend:
             )
         except _FAILURES as exc:
             self._raise(exc, key, VersionChanged)
+        # The download set blob.generation from the response's x-goog-generation header
+        # (None without one): a store that ignored both conditions sent another version.
+        self._check_version(key, generation, blob.generation)
         if len(data) != length:
             raise TransientError(
                 f"{self._where(key)}: short read, {len(data)} of {length} bytes "
@@ -162,13 +168,29 @@ class GcsBackend:
             version=str(blob.generation),
         )
 
+    def _check_version(self, key: str, generation: int, answered: int | None) -> None:
+        """The response must be the generation asked for (see `Backend.get_range`)."""
+        where = f"{self._where(key)} via {self.endpoint}"
+        if answered is None:
+            raise BackendError(f"{where}: the response names no generation, so its "
+                               "version cannot be checked")
+        if answered != generation:
+            raise VersionChanged(f"{where}: object changed (asked for generation "
+                                 f"{generation}, the store answered with {answered})")
+
     def _where(self, key: str | None) -> str:
         return f"gs://{self.bucket}/{key}" if key else f"gs://{self.bucket}"
 
     def _raise(self, exc: Exception, key: str | None, missing: type[BackendError]) -> NoReturn:
         """Translate an SDK error; `missing` is what a 404 means for this call."""
         kind, reason = _classify(exc, missing)
-        raise kind(f"{self._where(key)} via {self.endpoint}: {one_line(reason)}") from None
+        message = f"{self._where(key)} via {self.endpoint}: {one_line(reason)}"
+        # API errors keep the HTTP response, and with it any Retry-After.
+        headers = getattr(getattr(exc, "response", None), "headers", None)
+        if kind is TransientError and headers is not None:
+            asked = retry_after(headers.get("Retry-After"))
+            raise TransientError(message, retry_after=asked) from None
+        raise kind(message) from None
 
 
 def _classify(exc: Exception, missing: type[BackendError]) -> tuple[type[BackendError], str]:

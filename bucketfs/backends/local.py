@@ -64,6 +64,10 @@ class LocalBackend:
             if _version(os.fstat(fd)) != version:
                 raise VersionChanged(f"object {key} changed")
             data = os.pread(fd, length, start)
+            # Again after the read: a file rewritten in place meanwhile (not replaced by
+            # a rename) could have handed us bytes of two versions.
+            if _version(os.fstat(fd)) != version:
+                raise VersionChanged(f"object {key} changed while it was read")
         finally:
             os.close(fd)
         if len(data) != length:

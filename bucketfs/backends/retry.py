@@ -2,6 +2,8 @@
 
 Retrying lives here and nowhere else (the SDKs' own retries are switched off), so a
 read fails with EIO only after this budget, and tests can count attempts exactly.
+A server that says how long to wait (Retry-After on a 503 or 429) is waited for, up to
+`max_delay`; that wait is one of the budget's attempts like any other.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import TypeVar
 
 import trio
 
-from bucketfs.backends.base import RETRYABLE
+from bucketfs.backends.base import RETRYABLE, TransientError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -26,9 +28,14 @@ class RetryPolicy:
     base_delay: float = 0.1
     max_delay: float = 5.0
 
-    def delay(self, attempt: int) -> float:
-        """Full jitter: a uniform draw below an exponentially growing cap."""
-        return random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+        """Full jitter: a uniform draw below an exponentially growing cap; at least what
+        the server asked for, but never past `max_delay` (a server asking for minutes
+        must not hold a read longer than the configured longest backoff)."""
+        backoff = random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+        if retry_after is None:
+            return backoff
+        return max(backoff, min(retry_after, self.max_delay))
 
 
 async def call_with_retries(
@@ -47,6 +54,7 @@ async def call_with_retries(
                 raise
             if on_retry is not None:
                 on_retry()
+            asked = exc.retry_after if isinstance(exc, TransientError) else None
             log.debug("%s: %s; retrying", what, exc)
-            await trio.sleep(policy.delay(attempt))
+            await trio.sleep(policy.delay(attempt, asked))
     raise AssertionError("unreachable")  # the loop either returns or raises

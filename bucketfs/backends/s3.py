@@ -35,7 +35,13 @@ from bucketfs.backends.base import (
     Unreachable,
     VersionChanged,
 )
-from bucketfs.backends.common import TRANSIENT_STATUS, mtime_ns, one_line, public_endpoint
+from bucketfs.backends.common import (
+    TRANSIENT_STATUS,
+    mtime_ns,
+    one_line,
+    public_endpoint,
+    retry_after,
+)
 from bucketfs.backends.settings import BackendSettings
 
 _DENIED_CODES = frozenset(
@@ -69,9 +75,6 @@ _CREDENTIAL_ERRORS = (
     CredentialRetrievalError,
     ProfileNotFound,
 )
-
-
-
 
 
 def _etag(value: str) -> str:
@@ -163,6 +166,8 @@ class S3Backend:
             )
             body = resp["Body"]
             try:
+                # Before the body: a store that ignored If-Match sent another version.
+                self._check_version(key, version, resp.get("ETag"))
                 # StreamingBody checks Content-Length and raises on a short body.
                 data = body.read()
             finally:
@@ -177,6 +182,16 @@ class S3Backend:
             )
         return data
 
+    def _check_version(self, key: str, version: str, etag: str | None) -> None:
+        """The response must be the version asked for (see `Backend.get_range`)."""
+        where = f"{self._where(key)} via {self.endpoint}"
+        if etag is None:
+            raise BackendError(f"{where}: the response names no ETag, so its version "
+                               "cannot be checked")
+        if _etag(etag) != version:
+            raise VersionChanged(f"{where}: object changed (asked for ETag {version}, "
+                                 f"the store answered with {one_line(_etag(etag))})")
+
     def _where(self, key: str | None) -> str:
         return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
 
@@ -185,7 +200,12 @@ class S3Backend:
     ) -> NoReturn:
         """Translate an SDK error; `missing` is what a 404 means for this call."""
         kind, reason = _classify(exc, missing)
-        raise kind(f"{self._where(key)} via {self.endpoint}: {one_line(reason)}") from None
+        message = f"{self._where(key)} via {self.endpoint}: {one_line(reason)}"
+        if kind is TransientError and isinstance(exc, ClientError):
+            headers = exc.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+            asked = retry_after(headers.get("retry-after"))
+            raise TransientError(message, retry_after=asked) from None
+        raise kind(message) from None
 
 
 def _classify(
