@@ -14,6 +14,7 @@ import textwrap
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,13 @@ _SIZE_UNITS = {
     "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
+#: Sizes end up in C off_t / u64 fields (kernel read-ahead, file offsets).
+MAX_SIZE = 2**63 - 1
+#: Timeouts and backoffs: socket.settimeout() overflows past time_t, and a day is already
+#: far beyond any sensible wait.
+MAX_SECONDS = 24 * 3600.0
+#: uid_t and gid_t are 32 bits, and (uid_t)-1 means "no change", not an owner.
+MAX_ID = 2**32 - 2
 
 
 def parse_size(value: object) -> int:
@@ -35,15 +43,23 @@ def parse_size(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError("expected a size such as 64MiB")
     if isinstance(value, int):
-        if value < 0:
-            raise ValueError("a size cannot be negative")
-        return value
-    if not isinstance(value, str):
+        size = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        if not match or match.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError(f"{value!r} is not a size such as 64MiB")
+        number, unit = match.group(1), _SIZE_UNITS[match.group(2).lower()]
+        if len(number.partition(".")[0].lstrip("0")) > 20:
+            size = MAX_SIZE + 1  # refused below, without multiplying a million digits
+        else:  # Decimal, not float: exact, and never inf
+            size = int(Decimal(number) * unit)
+    else:
         raise ValueError("expected a size such as 64MiB")
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"{value!r} is not a size such as 64MiB")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if size < 0:
+        raise ValueError("a size cannot be negative")
+    if size > MAX_SIZE:
+        raise ValueError(f"a size cannot exceed {MAX_SIZE} bytes")
+    return size
 
 
 def parse_duration(value: object) -> float:
@@ -56,6 +72,8 @@ def parse_duration(value: object) -> float:
         seconds = float(value)
     except ValueError:
         raise ValueError(f"{value!r} is not a number of seconds or 'forever'") from None
+    except OverflowError:
+        seconds = math.inf  # an integer past float's range, as "1e999" would read
     if seconds < 0 or math.isnan(seconds):
         raise ValueError("a duration cannot be negative")
     return seconds
@@ -70,12 +88,15 @@ def _positive_int(value: object) -> int:
     return number
 
 
-def _optional_int(value: object) -> int | None:
+def _optional_id(value: object) -> int | None:
     if value is None or value == "":
         return None
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError("expected an integer")
-    return int(value)
+    number = int(value)
+    if not 0 <= number <= MAX_ID:
+        raise ValueError(f"expected a user or group id from 0 to {MAX_ID}")
+    return number
 
 
 def _port(value: object) -> int:
@@ -87,12 +108,16 @@ def _port(value: object) -> int:
     return number
 
 
-def _positive_float(value: object) -> float:
+def _seconds(value: object) -> float:
+    """A timeout or backoff: positive and finite (an infinite one breaks sockets)."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError("expected a positive number")
-    number = float(value)
-    if not number > 0:
-        raise ValueError("expected a positive number")
+        raise ValueError("expected a positive number of seconds")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not 0 < number <= MAX_SECONDS:
+        raise ValueError(f"expected a positive number of seconds, at most {MAX_SECONDS:.0f}")
     return number
 
 
@@ -149,9 +174,9 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("mount", "uid", _optional_int, None,
+    Option("mount", "uid", _optional_id, None,
            "owner of every file and directory (default: the mounting user)", None),
-    Option("mount", "gid", _optional_int, None,
+    Option("mount", "gid", _optional_id, None,
            "group of every file and directory (default: the mounting user's group)", None),
     Option("mount", "allow_other", _bool, False,
            "let other users read the mount (needs user_allow_other in /etc/fuse.conf "
@@ -191,6 +216,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache", "cache_dir", _optional_str, None,
            "directory of the SSD tier and its index; without it the cache is RAM only",
            None),
+    Option("cache", "cache_group", _optional_str, None,
+           "a group (name or gid) that may read the cache directory too; without it only "
+           "the mount's user may (it holds the bucket's bytes and key names)", None),
     Option("cache", "ram_cache", parse_size, 2 * 1024**3,
            "bytes of blocks kept in RAM", '"2GiB"'),
     Option("cache", "disk_cache", parse_size, 16 * 1024**3,
@@ -231,16 +259,16 @@ OPTIONS: tuple[Option, ...] = (
            "address the metrics endpoint listens on", '"127.0.0.1"'),
     Option("origin", "max_connections", _positive_int, 32,
            "parallel requests to the bucket (worker threads and pooled connections)", "32"),
-    Option("origin", "connect_timeout", _positive_float, 10.0,
+    Option("origin", "connect_timeout", _seconds, 10.0,
            "seconds to wait for a connection", "10"),
-    Option("origin", "read_timeout", _positive_float, 30.0,
+    Option("origin", "read_timeout", _seconds, 30.0,
            "seconds to wait for data on an open connection", "30"),
     Option("origin", "retry_attempts", _positive_int, 6,
            "attempts per request on throttling, 5xx, timeouts and dropped connections "
            "before the read fails with EIO", "6"),
-    Option("origin", "retry_base_delay", _positive_float, 0.1,
+    Option("origin", "retry_base_delay", _seconds, 0.1,
            "first backoff in seconds; it doubles per attempt, with full jitter", "0.1"),
-    Option("origin", "retry_max_delay", _positive_float, 5.0,
+    Option("origin", "retry_max_delay", _seconds, 5.0,
            "longest backoff in seconds", "5"),
     Option("origin", "list_page_size", _positive_int, 1000,
            "keys per LIST request (1000 is the S3 maximum)", "1000"),
@@ -271,8 +299,15 @@ class Config:
 def _parse(option: Option, value: object, where: str) -> Any:
     try:
         return option.parse(value)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ArithmeticError) as exc:
         raise ConfigError(f"{where}: bad value for {option.key}: {exc}") from None
+
+
+def _key(*parts: str) -> str:
+    """A key as the user wrote it; quoted if it holds a line break or a control
+    character, so the message stays one line."""
+    key = ".".join(parts)
+    return key if key.isprintable() else repr(key)
 
 
 def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) -> Config:
@@ -288,6 +323,8 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
             raise ConfigError(f"{where}: cannot read config file: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{where}: not valid TOML: {exc}") from None
+        except RecursionError:  # tomllib recurses once per level of nested arrays
+            raise ConfigError(f"{where}: not valid TOML: values nested too deeply") from None
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{where}: unknown key {section!r} (options live in "
@@ -295,7 +332,7 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
             for name, value in table.items():
                 option = OPTIONS_BY_KEY.get(f"{section}.{name}")
                 if option is None:
-                    raise ConfigError(f"{where}: unknown key {section}.{name}")
+                    raise ConfigError(f"{where}: unknown key {_key(section, name)}")
                 values[option.name] = _parse(option, value, where)
     for name, value in overrides.items():
         option = OPTIONS_BY_NAME[name]

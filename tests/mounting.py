@@ -74,7 +74,8 @@ def sha256_file(path: str | Path) -> str:
 def expected_tree(objects: dict[str, bytes], prefix: str = "") -> dict[str, str]:
     """What a mount of `prefix` must show for these keys, per the rules in namespace.py:
     markers and prefixes are directories, a directory hides a same-named object, and
-    keys with empty, '.', '..' or over-long segments are left out."""
+    keys with empty, '.', '..', NUL-holding or over-long segments are left out (a name
+    from a local directory that is not UTF-8 counts the bytes it stands for)."""
     out: dict[str, str] = {}
     for key, data in objects.items():
         if not key.startswith(prefix):
@@ -83,7 +84,8 @@ def expected_tree(objects: dict[str, bytes], prefix: str = "") -> dict[str, str]
         is_marker = parts[-1] == "" and len(parts) > 1
         if is_marker:
             parts = parts[:-1]
-        bad = [i for i, p in enumerate(parts) if p in ("", ".", "..") or len(p.encode()) > 255]
+        bad = [i for i, p in enumerate(parts) if p in ("", ".", "..") or "\0" in p
+               or len(p.encode("utf-8", "surrogateescape")) > 255]
         if bad:
             # The directories above the first bad segment still exist.
             for depth in range(1, bad[0] + 1):
