@@ -25,7 +25,8 @@ from pathlib import Path
 
 from rocksdict import Options, Rdict, WriteBatch
 
-from bucketfs.cache.disk import CLOCK_KEY, ENTRY, FORMAT_KEY, _record
+from bucketfs.cache.blocks import BlockId, entry_name
+from bucketfs.cache.disk import CLOCK_KEY, ENTRY, FORMAT, FORMAT_KEY, POLICY_KEY, _record
 from bucketfs.cache.listings import Child, TreeIndex
 from bucketfs.prefetch.eviction import make_policy
 from bucketfs.runtime import state_dir
@@ -54,12 +55,16 @@ def main() -> int:
         namespace = f"file://{bucket}"
         started = time.perf_counter()
         index = Rdict(str(cache / "index"), Options(raw_mode=True))
-        index[FORMAT_KEY] = b"1"
+        index[FORMAT_KEY] = FORMAT
         index[CLOCK_KEY] = struct.pack("<d", float(args.entries))
+        # A policy of another name: the open rebuilds every rank key from the records.
+        index[POLICY_KEY] = b"rebuild"
+        block_size = 4 * 1024**2
         policy = make_policy()
         batch = WriteBatch(raw_mode=True)
         for i in range(args.entries):
-            entry = f"{namespace}\0big/{i:09d}.jpg\0{i:032x}\0{0}".encode()
+            entry = entry_name(namespace, BlockId(f"big/{i:09d}.jpg", f"{i:032x}", 0,
+                                                  size=110_000), block_size)
             # Eviction state exactly as the default policy exports it.
             policy.admit(entry, 110_000, 0.01)
             batch.put(ENTRY + entry, _record(110_000, i, 0.01, policy.export(entry)))

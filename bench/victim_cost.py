@@ -33,7 +33,8 @@ from bucketfs.prefetch.scheduler import PrefetchScheduler
 def replay(directory: Path, orders: list[list[str]], size: int, hinted: bool
            ) -> dict[str, Any]:
     capacity = len(orders[0]) // 2
-    disk = DiskTier(directory, capacity * size, make_policy("cost-lrfu"), namespace="bench")
+    disk = DiskTier(directory, capacity * size, make_policy("cost-lrfu"), source="bench",
+                    block_size=size)
     plans = PrefetchScheduler(window_bytes=64 * size, budget_bytes=10**12)
     if hinted:
         future = NextUse(plans)
@@ -57,7 +58,7 @@ def replay(directory: Path, orders: list[list[str]], size: int, hinted: bool
         epoch_hits = 0
         for key in order:
             plans.observe_read(key, job="job")
-            block = BlockId(key, "v1", 0)
+            block = BlockId(key, "v1", 0, size=size)
             if disk.get(block) is not None:
                 epoch_hits += 1
                 continue

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -23,7 +22,8 @@ from bucketfs.cache.admin import add_cache_commands, run_cache_command
 from bucketfs.config import OPTIONS, ConfigError, load_config
 from bucketfs.hints.cli import add_arguments as add_hint_arguments
 from bucketfs.hints.cli import run as run_hint
-from bucketfs.runtime import FSTYPE, default_log_file, mounted, state_dir
+from bucketfs.private import UnsafePath, open_private_log
+from bucketfs.runtime import FSTYPE, daemon_pid, default_log_file, mounted, stale, unmount
 
 PROG = "bucketfs"
 
@@ -120,7 +120,14 @@ def _mount_foreground(args: argparse.Namespace, url: object, config: object) -> 
     from bucketfs.logs import setup_logging
     from bucketfs.mount import MountError, MountInfo, run_mount
 
-    setup_logging(config.log_level, config.log_file)  # type: ignore[attr-defined]
+    # Everything the daemon creates (cache files, its index, sockets) is private to the
+    # mount's user, and to the cache group if one is configured (the cache directories
+    # then carry that group): a cached private bucket is not for every user of the node.
+    os.umask(0o027 if config.cache_group else 0o077)  # type: ignore[attr-defined]
+    try:
+        setup_logging(config.log_level, config.log_file)  # type: ignore[attr-defined]
+    except (UnsafePath, OSError) as exc:
+        return _report(args, f"cannot write the log {config.log_file}: {exc}")  # type: ignore[attr-defined]
 
     def ready(warnings: list[str]) -> None:
         if args.ready_fd is not None:
@@ -137,16 +144,23 @@ def _mount_foreground(args: argparse.Namespace, url: object, config: object) -> 
 
 
 def _spawn_daemon(args: argparse.Namespace, config: object) -> int:
-    log_file = config.log_file or default_log_file(os.path.abspath(args.mountpoint))  # type: ignore[attr-defined]
-    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    given = config.log_file  # type: ignore[attr-defined]
+    log_file = given or default_log_file(os.path.abspath(args.mountpoint))
+    try:
+        # Private to the mount's user: it names the bucket's keys.
+        log = open_private_log(log_file)
+    except (UnsafePath, OSError) as exc:
+        return error(f"cannot write the log {log_file}: {exc}")
     read_end, write_end = os.pipe()
     command = [*_child_argv(args), "--foreground", "--ready-fd", str(write_end),
                "--log-file", log_file]
-    with open(log_file, "ab") as log:
+    try:
         child = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             pass_fds=(write_end,), start_new_session=True,
         )
+    finally:
+        os.close(log)
     os.close(write_end)
     with os.fdopen(read_end) as pipe:
         status = pipe.readline().strip()
@@ -185,10 +199,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
         return error(f"{args.mountpoint} is not mounted")
     if entry.fstype != FSTYPE:
         return error(f"{args.mountpoint} is not a bucketfs mount ({entry.fstype})")
-    pid = _daemon_pid(entry.mountpoint)
-    tool = shutil.which("fusermount3") or shutil.which("fusermount")
-    command = [tool, "-u", entry.mountpoint] if tool else ["umount", entry.mountpoint]
-    result = subprocess.run(command, capture_output=True, text=True)
+    pid = daemon_pid(entry.mountpoint)
+    # A stale mount still in use (a shell inside it) refuses a plain unmount with EBUSY;
+    # with no daemon behind it there is nothing to wait for, so detach it lazily.
+    result = unmount(entry.mountpoint, lazy=stale(entry.mountpoint))
     if result.returncode != 0:
         reason = (result.stderr or result.stdout).strip().splitlines()
         return error(f"cannot unmount {args.mountpoint}: "
@@ -210,13 +224,6 @@ def _alive(pid: int) -> bool:
             return b"bucketfs" in f.read()
     except (OSError, IndexError):
         return False
-
-
-def _daemon_pid(mountpoint: str) -> int | None:
-    try:
-        return int((state_dir(mountpoint) / "pid").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _wait_exit(pid: int, timeout: float) -> bool:

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import pyfuse3
-import trio
 
-from bucketfs.backends.base import BackendError, NotFound, VersionChanged
+from bucketfs.backends.base import BackendError, VersionChanged
 from bucketfs.namespace import Namespace, Node
 from bucketfs.reader import OpenFile, Reader
 
@@ -165,11 +164,9 @@ class Operations(pyfuse3.Operations):
         fh = self._next_fh
         self._next_fh += 1
         self.handles[fh] = (node, self.reader.open(node.key, node.version, node.size))
-        # The bytes of a version never change, so the kernel page cache may keep them;
-        # after the object changed, the first open drops what the kernel cached.
-        keep_cache = node.kernel_version in ("", node.version)
-        self.namespace.set_kernel_version(node, node.version)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
+        # An inode stands for one version (a changed object gets a new inode), and the
+        # bytes of a version never change: the kernel page cache may keep them.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -177,28 +174,14 @@ class Operations(pyfuse3.Operations):
         try:
             return await self.reader.read(handle, off, size)
         except VersionChanged:
-            await self._object_changed(node, handle)
+            # This handle stays on its version, and fails; later opens see the bucket.
+            log.warning("object %r changed in the bucket while open; reads of the old "
+                        "version fail, new opens get the new version", node.key)
+            try:
+                await self.namespace.refresh(node)
+            except BackendError as exc:
+                log.warning("cannot look %r up again: %s", node.key, exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
-
-    async def _object_changed(self, node: Node, handle: OpenFile) -> None:
-        """The bucket holds a new version: this handle fails, later opens see the new one."""
-        log.warning("object %r changed in the bucket while open; reads of the old version "
-                    "fail, new opens get the new version", node.key)
-        try:
-            node = self.namespace.get(node.inode)  # as it is now, not as this handle saw it
-        except KeyError:
-            return  # a re-listing found it gone
-        if node.version != handle.obj.version:
-            return  # another handle already refreshed it
-        try:
-            self.namespace.update_file(node, await self.namespace.store.head(node.key))
-        except NotFound:
-            self.namespace.mark_gone(node)
-        # Not from inside a handler (that can deadlock the kernel): a thread does it once
-        # this request has been answered.
-        self.reader.nursery.start_soon(
-            functools.partial(trio.to_thread.run_sync, pyfuse3.invalidate_inode, node.inode, True)
-        )
 
     async def release(self, fh: int) -> None:
         # Nothing is held per handle: blocks in flight finish into the cache.
@@ -222,7 +205,9 @@ class Operations(pyfuse3.Operations):
         return []
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
-        pass  # entries live in the index, not in memory: there is nothing to free
+        # Entries live in the index; only inodes of replaced versions are held here.
+        for inode, _ in inode_list:
+            self.namespace.forget(inode)
 
     setattr = _read_only("setattr")
     mknod = _read_only("mknod")

@@ -32,6 +32,7 @@ from bucketfs.hints.protocol import (
     error_reply,
     parse_header,
 )
+from bucketfs.private import UnsafePath, private_directory
 
 log = logging.getLogger(__name__)
 
@@ -185,19 +186,11 @@ def _peer_groups(sock: trio.socket.SocketType, pid: int) -> set[int]:
 def _prepare_directory(directory: Path, allowed_gid: int | None) -> None:
     """The socket's directory is the mount's private state directory: ours, closed to
     others, and open to the allowed group for traversal only."""
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    info = os.stat(directory)
-    if info.st_uid != os.geteuid():
-        raise HintsServerError(f"{directory} belongs to uid {info.st_uid}, not to this "
-                               "daemon")
-    if info.st_mode & 0o022:
-        raise HintsServerError(f"{directory} is writable by others; the hints socket "
-                               "needs a private directory")
-    if allowed_gid is not None:
-        os.chown(directory, -1, allowed_gid)
-        os.chmod(directory, 0o750)
-    else:
-        os.chmod(directory, 0o700)
+    try:
+        private_directory(directory, 0o700 if allowed_gid is None else 0o750,
+                          group=allowed_gid, parents=True)
+    except UnsafePath as exc:
+        raise HintsServerError(f"{exc}; the hints socket needs a private directory") from None
 
 
 def _remove_stale(path: Path) -> None:

@@ -12,6 +12,8 @@ import os
 import re
 import sys
 
+from bucketfs.private import open_private_log
+
 _SECRET_ENV = (
     "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID",
     "GOOGLE_OAUTH_ACCESS_TOKEN",
@@ -58,8 +60,9 @@ class RedactingFilter(logging.Filter):
 def setup_logging(level: str, log_file: str | None) -> None:
     handler: logging.Handler
     if log_file:
-        os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
-        handler = logging.FileHandler(log_file)
+        # Opened without following a link, and only if it is our own file (private.py).
+        stream = os.fdopen(open_private_log(os.path.abspath(log_file)), "a", buffering=1)
+        handler = logging.StreamHandler(stream)
     else:
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(

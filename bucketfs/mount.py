@@ -1,7 +1,8 @@
 """Mounting: checks that fail early with one clear line, then the serving loop.
 
 Order of work:
-  1. check the mountpoint and /dev/fuse (nothing started yet);
+  1. check the mountpoint (unmounting a stale bucketfs mount a dead daemon left) and
+     /dev/fuse (nothing started yet);
   2. build the backend; open the SSD tier (RAM only, with a warning, if unwritable) and
      the tree's index (the SSD tier's, else a temporary one);
   3. prove access: a LIST, or with listings saved by an earlier mount a HEAD of an
@@ -26,7 +27,6 @@ import os
 import signal
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyfuse3
 import trio
@@ -52,8 +52,18 @@ from bucketfs.namespace import Namespace
 from bucketfs.prefetch.eviction import EvictionPolicy, make_policy
 from bucketfs.prefetch.future import HintedPolicy, NextUse
 from bucketfs.prefetcher import HintedPrefetch
+from bucketfs.private import UnsafePath
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
-from bucketfs.runtime import FSTYPE, mounted, state_dir
+from bucketfs.runtime import (
+    FSTYPE,
+    clear_pid,
+    mounted,
+    prepare_state_dir,
+    stale,
+    unmount,
+    write_pid,
+)
+from bucketfs.tasks import describe, start_guarded
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +87,10 @@ def check_mountpoint(path: str) -> str:
             raise MountError(f"mountpoint {path}: {exc.strerror}") from None
     real = os.path.realpath(path)
     entry = mounted(real)
+    if entry is not None and stale(real):
+        _clear_stale(path, real, entry.fstype)
+        entry = mounted(real)
     if entry is not None:
-        # stat() can be answered from the kernel's cache; statvfs always reaches the
-        # daemon, and fails with ENOTCONN when it is gone.
-        try:
-            os.statvfs(real)
-        except OSError as exc:
-            if exc.errno == errno.ENOTCONN:
-                raise MountError(f"mountpoint {path} is a stale mount whose daemon is gone; "
-                                 f"run: bucketfs umount {path}") from None
         raise MountError(f"mountpoint {path} is already mounted ({entry.fstype} from "
                          f"{entry.source})")
     if not os.path.isdir(real):
@@ -96,6 +101,23 @@ def check_mountpoint(path: str) -> str:
     except PermissionError:
         raise MountError(f"mountpoint {path} is not readable") from None
     return real
+
+
+def _clear_stale(path: str, real: str, fstype: str) -> None:
+    """A bucketfs mount whose daemon is gone (killed, crashed) is unmounted lazily, so
+    the new mount replaces it; another filesystem's is left to the user."""
+    fix = f"run: fusermount3 -uz {path}"
+    if fstype != FSTYPE:
+        raise MountError(f"mountpoint {path} is a stale {fstype} mount whose daemon is "
+                         f"gone; {fix}")
+    result = unmount(real, lazy=True)
+    if result.returncode != 0:
+        reason = (result.stderr or result.stdout).strip().splitlines()
+        raise MountError(f"mountpoint {path} is a stale mount whose daemon is gone and "
+                         f"unmounting it failed ({reason[-1] if reason else 'unknown'}); "
+                         f"{fix}")
+    log.warning("mountpoint %s was a stale bucketfs mount whose daemon is gone; "
+                "unmounted it", path)
 
 
 def check_fuse_device() -> None:
@@ -134,6 +156,15 @@ class MountInfo:
     url: BucketUrl
     mountpoint: str
     config: Config
+    #: How cache entries and listings name the origin (`origin_identity`).
+    source: str = ""
+
+
+def origin_identity(url: BucketUrl, backend: Backend) -> str:
+    """The origin as the cache names it: the bucket URL and the endpoint that serves it,
+    so that two stores with a bucket of the same name never share cache entries."""
+    endpoint = getattr(backend, "endpoint", "")
+    return f"{url.bucket_url} via {endpoint}" if endpoint else url.bucket_url
 
 
 def _kernel_ttl(config: Config) -> float:
@@ -149,6 +180,7 @@ async def _serve(
     store = ObjectStore(backend, max_workers=config.max_connections, retry=retry,
                         page_size=config.list_page_size)
     warnings: list[str] = []
+    info.source = origin_identity(info.url, backend)
     disk = open_disk_tier(info, config, warnings)
     try:
         await _serve_with(info, store, disk, ready, warnings)
@@ -181,7 +213,7 @@ async def _serve_with(
     config = info.config
     namespace = Namespace(store, info.url.prefix, metadata_ttl=config.metadata_ttl,
                           index=disk.index if disk is not None else None,
-                          space=info.url.bucket_url)
+                          space=info.source, on_gone=_kernel_forgets_name)
     try:
         await _serve_namespace(info, store, disk, namespace, ready, warnings)
     finally:
@@ -242,7 +274,7 @@ async def _serve_namespace(
         except RuntimeError as exc:
             raise MountError(f"cannot mount on {info.mountpoint}: {exc}") from None
         try:
-            _write_state(info.mountpoint)
+            write_pid(info.mountpoint)
             if prefetch is not None:
                 await _serve_hints(nursery, info.mountpoint, prefetch, hints_gid, warnings)
             log.info("mounted %s on %s", info.url, info.mountpoint)
@@ -250,20 +282,23 @@ async def _serve_namespace(
                 log.warning(warning)
             ready(warnings)
             nursery.start_soon(_stop_on_signal)
-            nursery.start_soon(_set_kernel_readahead, info.mountpoint,
-                               config.kernel_readahead)
+            start_guarded(nursery, "raising the kernel's read-ahead",
+                          _set_kernel_readahead, info.mountpoint, config.kernel_readahead)
             # Returns when the kernel ends the session (fusermount -u) or a signal
             # calls terminate(); unmounting an already unmounted path is harmless, and
             # a crash must not leave a stale mount behind.
             await pyfuse3.main(max_tasks=max(16, 2 * config.max_connections))
         finally:
             pyfuse3.close(unmount=True)
-            _clear_state(info.mountpoint)
+            clear_pid(info.mountpoint)
         log.info("unmounted %s", info.mountpoint)
         # A clean exit keeps what only RAM held, so the next mount finds it on SSD.
-        await cache.flush()
-        if disk is not None:
-            save_counters(disk.index, dataclasses.asdict(cache.stats))
+        try:
+            await cache.flush()
+            if disk is not None and disk.writable:
+                save_counters(disk.index, dataclasses.asdict(cache.stats))
+        except Exception as exc:  # a full or read-only disk: the next mount recounts
+            log.warning("could not save the cache's state at unmount: %s", describe(exc))
         nursery.cancel_scope.cancel()
 
 
@@ -279,14 +314,19 @@ def hinted_prefetch(namespace: Namespace, config: Config) -> HintedPrefetch:
 
 
 def hints_group(config: Config) -> int | None:
-    """The gid of `hints_group`, or None. A group that does not exist is a mount error."""
-    group = config.hints_group
+    return group_id(config, "hints_group")
+
+
+def group_id(config: Config, option: str) -> int | None:
+    """The gid a group option names, or None. A group that does not exist is a mount
+    error."""
+    group = getattr(config, option)
     if group is None:
         return None
     try:
         return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
     except KeyError:
-        raise MountError(f"hints_group: no group named {group!r}") from None
+        raise MountError(f"{option}: no group named {group!r}") from None
 
 
 async def _serve_hints(nursery: trio.Nursery, mountpoint: str, prefetch: HintedPrefetch,
@@ -298,6 +338,16 @@ async def _serve_hints(nursery: trio.Nursery, mountpoint: str, prefetch: HintedP
             on_order=prefetch.on_order, on_end=prefetch.on_end))
     except HintsServerError as exc:
         warnings.append(f"hints are off: {exc}")
+
+
+def _kernel_forgets_name(parent: int, name: str) -> None:
+    """The kernel drops what it cached of a name that stands for another inode now (a
+    changed or deleted object), so the next open looks it up again. Queued to pyfuse3's
+    own thread: never from inside a handler."""
+    try:
+        pyfuse3.invalidate_entry_async(parent, os.fsencode(name), ignore_enoent=True)
+    except Exception as exc:  # not mounted (any more): the kernel caches nothing
+        log.debug("cannot invalidate %r: %s", name, exc)
 
 
 def _file_of_block(block: Hashable) -> Hashable:
@@ -314,10 +364,13 @@ def open_disk_tier(info: MountInfo, config: Config, warnings: list[str]) -> Disk
     if config.cache_dir is None:
         return None
     try:
-        return DiskTier(
+        disk = DiskTier(
             config.cache_dir, config.disk_cache, eviction_policy(config),
-            namespace=info.url.bucket_url, free_floor=config.disk_free_floor,
+            source=info.source, block_size=config.block_size,
+            free_floor=config.disk_free_floor, group=group_id(config, "cache_group"),
         )
+        warnings.extend(disk.warnings)
+        return disk
     except CacheDirUnwritable as exc:
         warnings.append(f"{exc}; caching in RAM only")
         return None
@@ -338,7 +391,11 @@ async def _set_kernel_readahead(mountpoint: str, size: int) -> None:
     requests, each a trip into Python. Only root may raise it; others keep the default."""
     # The kernel sets the value when the FUSE INIT handshake completes, so change it only
     # after a request has gone through (in a thread: this loop must serve the request).
-    await trio.to_thread.run_sync(os.statvfs, mountpoint)
+    try:
+        await trio.to_thread.run_sync(os.statvfs, mountpoint)
+    except OSError as exc:  # unmounted meanwhile
+        log.debug("kernel read-ahead left at its default (%s)", exc.strerror)
+        return
     entry = mounted(mountpoint)
     if entry is None:
         return
@@ -350,21 +407,15 @@ async def _set_kernel_readahead(mountpoint: str, size: int) -> None:
         log.debug("kernel read-ahead left at its default (%s: %s)", path, exc.strerror)
 
 
-def _write_state(mountpoint: str) -> None:
-    directory = state_dir(mountpoint)
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    (directory / "pid").write_text(f"{os.getpid()}\n")
-
-
-def _clear_state(mountpoint: str) -> None:
-    Path(state_dir(mountpoint), "pid").unlink(missing_ok=True)
-
-
 def run_mount(info: MountInfo, ready: Callable[[list[str]], None]) -> None:
     """Mount and serve until unmounted. Raises MountError for anything the user must fix.
     `ready` is called once the mount serves, with warnings for the user."""
     info.mountpoint = check_mountpoint(info.mountpoint)
     check_fuse_device()
+    try:
+        prepare_state_dir(info.mountpoint, hints_group(info.config))
+    except (UnsafePath, OSError) as exc:
+        raise MountError(f"cannot use the mount's state directory: {exc}") from None
     try:
         backend = open_backend(info.url, backend_settings(info.config))
     except BackendError as exc:

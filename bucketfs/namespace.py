@@ -20,22 +20,27 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import trio
 from rocksdict import Options, Rdict
 
-from bucketfs.backends.base import ObjectInfo
-from bucketfs.backends.store import DirListing, ObjectStore
-from bucketfs.cache.listings import ROOT_INODE, Child, Record, TreeIndex
+from bucketfs.backends.base import ListPage, NotFound
+from bucketfs.backends.store import ObjectStore
+from bucketfs.cache.listings import ROOT_INODE, Child, IndexUnwritable, Record, TreeIndex
+from bucketfs.runtime import scratch_root
 
 log = logging.getLogger(__name__)
 
 NAME_MAX = 255
+#: Old inodes remembered for the kernel (see Namespace._retired).
+RETIRED = 65_536
 
 
 @dataclass(slots=True)
@@ -50,8 +55,18 @@ class Node:
     size: int = 0
     mtime_ns: int = 0
     version: str = ""
-    #: The version the kernel page cache may hold bytes of ("" before the first open).
-    kernel_version: str = ""
+
+
+def scratch_tree_dir() -> str:
+    """A new private directory for a mount's temporary tree index, in the user's cache
+    home on disk: not /tmp, which is often RAM outside every budget. Ones left by
+    daemons that died (kill -9) are removed first."""
+    root = scratch_root()
+    for path in root.glob("tree-*"):
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"tree-{os.getpid()}-", dir=root)
 
 
 def invalid_name_reason(name: str) -> str | None:
@@ -74,22 +89,34 @@ class Namespace:
         space: str = "",
         metadata_ttl: float = math.inf,
         clock: Callable[[], float] = time.time,
+        on_gone: Callable[[int, str], None] | None = None,
     ) -> None:
         """`index`: the cache's RocksDB (listings outlive the mount), or None for a
-        temporary one. `space` names the bucket, so buckets sharing an index stay apart.
-        `clock`: wall-clock seconds (listing times are compared across mounts)."""
+        temporary one on disk (`scratch_tree_dir`). `space` names the origin and prefix,
+        so mounts sharing an index stay apart.
+        `clock`: wall-clock seconds (listing times are compared across mounts).
+        `on_gone(parent inode, name)`: told when a name stops naming its inode (the
+        object was deleted, or changed and got a new inode), so the kernel can forget
+        what it cached of the name."""
         self.store = store
         self.metadata_ttl = metadata_ttl
         self.clock = clock
         self.mount_time_ns = time.time_ns()
         self._temporary: str | None = None
         if index is None:
-            self._temporary = tempfile.mkdtemp(prefix="bucketfs-tree-")
+            self._temporary = scratch_tree_dir()
             index = Rdict(self._temporary, Options(raw_mode=True))
         self.index = index
         self.tree = TreeIndex(index, f"{space}\0{root_prefix}")
         self._warned: set[str] = set()
         self._listing: dict[int, trio.Event] = {}
+        self.on_gone = on_gone
+        #: Inodes that no longer name an entry (an older version, a deleted object) but
+        #: that the kernel may still hold (open handles, cached dentries): kept until it
+        #: forgets them, so a handle's fstat still works and its reads stay on its
+        #: version. At most RETIRED of them (a re-listing can retire a whole directory
+        #: the kernel never looked at); past that an old inode's getattr is ENOENT.
+        self._retired: OrderedDict[int, Node] = OrderedDict()
         self.root = Node(inode=ROOT_INODE, parent=ROOT_INODE, name="", is_dir=True,
                          key=root_prefix, mtime_ns=self.mount_time_ns)
 
@@ -104,7 +131,7 @@ class Namespace:
     def _node(self, parent: int, name: str, record: Record) -> Node:
         return Node(record.inode, parent, name, record.is_dir, record.key, record.size,
                     record.mtime_ns if not record.is_dir else self.mount_time_ns,
-                    record.version, record.kernel_version)
+                    record.version)
 
     def get(self, inode: int) -> Node:
         """Raises KeyError for an inode this tree does not hold."""
@@ -113,8 +140,27 @@ class Namespace:
         where = self.tree.locate(inode)
         record = self.tree.child(*where) if where is not None else None
         if record is None or record.inode != inode:
-            raise KeyError(inode)
+            retired = self._retired.get(inode)
+            if retired is None:
+                raise KeyError(inode)
+            return retired
         return self._node(where[0], where[1], record)
+
+    def forget(self, inode: int) -> None:
+        """The kernel holds the inode no more."""
+        self._retired.pop(inode, None)
+
+    def _gone(self, parent: int, entries: list[tuple[str, Record]], *,
+              tell: bool = False) -> None:
+        """Names that stopped naming their inodes: retire the inodes; with `tell`, tell
+        `on_gone` (after a re-listing the kernel's TTL, never longer than the
+        listing's, lets the kernel find out by itself)."""
+        for name, record in entries:
+            self._retired[record.inode] = self._node(parent, name, record)
+            if len(self._retired) > RETIRED:
+                self._retired.popitem(last=False)
+            if tell and self.on_gone is not None:
+                self.on_gone(parent, name)
 
     @property
     def known_bytes(self) -> int:
@@ -142,28 +188,26 @@ class Namespace:
         """All entries of a directory, sorted by name (small directories and tests)."""
         return list(await self.entries(inode))
 
-    def update_file(self, node: Node, info: ObjectInfo) -> None:
-        """The object changed in the bucket: new opens see the new version."""
-        old_size = node.size
-        node.size, node.mtime_ns, node.version = info.size, info.mtime_ns, info.version
-        self._save(node, old_size)
-
-    def mark_gone(self, node: Node) -> None:
-        """The object was deleted from the bucket while open."""
-        old_size, node.size, node.version = node.size, 0, "gone"
-        self._save(node, old_size)
-
-    def set_kernel_version(self, node: Node, version: str) -> None:
-        if node.kernel_version != version:
-            node.kernel_version = version
-            self._save(node, node.size)
-
-    def _save(self, node: Node, old_size: int) -> None:
-        if node.inode == ROOT_INODE:
+    async def refresh(self, node: Node) -> None:
+        """A read found that `node`'s version is gone from the bucket: look the object
+        up again. A new version gets a new inode (the kernel's pages of the old inode
+        hold the old version, which handles opened on it go on reading or fail); a
+        deleted object leaves the tree. New opens then see the bucket as it is."""
+        current = self.tree.child(node.parent, node.name)
+        if current is None or current.inode != node.inode:
+            return  # another read refreshed it already
+        try:
+            info = await self.store.head(node.key)
+        except NotFound:
+            removed = self.tree.remove(node.parent, node.name)
+            if removed is not None:
+                self._gone(node.parent, [(node.name, removed)], tell=True)
             return
-        self.tree.update(node.parent, node.name, Record(
-            node.inode, node.is_dir, node.key, node.size, node.mtime_ns, node.version,
-            node.kernel_version), old_size)
+        if info.version == current.version:
+            return
+        self.tree.replace(node.parent, node.name, Record(
+            0, False, node.key, info.size, info.mtime_ns, info.version, current.stamp))
+        self._gone(node.parent, [(node.name, current)], tell=True)
 
     def forget_listings(self) -> None:
         self.tree.forget_listings()
@@ -190,42 +234,56 @@ class Namespace:
                 continue  # it failed before anything was listed: try ourselves
             flight = self._listing[directory.inode] = trio.Event()
             try:
-                listing = await self.store.list_dir(directory.key)
-                # Both steps are proportional to the directory: not in the trio thread.
-                await trio.to_thread.run_sync(self._store, directory, listing, self.clock())
+                await self._list(directory)
             finally:
                 flight.set()
                 del self._listing[directory.inode]
             return
 
-    def _store(self, directory: Node, listing: DirListing, listed_at: float) -> None:
-        self.tree.store(directory.inode, self._children(directory, listing), listed_at)
+    async def _list(self, directory: Node) -> None:
+        """List a directory into the tree page by page: one page in memory at a time
+        however large the directory, each stored from a worker thread."""
+        listed_at = self.clock()
+        for in_memory in (False, True):
+            listing = self.tree.begin(directory.inode)
+            try:
+                async for page in self.store.list_pages(directory.key):
+                    changes = await trio.to_thread.run_sync(
+                        self.tree.add_page, listing, self._children(directory, page))
+                    for key in changes.hidden:
+                        self._warn_once(key, f"object {key!r} is hidden by the directory "
+                                             f"{key + '/'!r} of the same name")
+                    self._gone(directory.inode, changes.gone)
+                gone = await trio.to_thread.run_sync(self.tree.finish, listing, listed_at)
+                self._gone(directory.inode, gone)
+                return
+            except IndexUnwritable:
+                if in_memory:
+                    raise
+                # The index stopped taking writes: list it again, into memory.
 
-    def _children(self, directory: Node, listing: DirListing) -> list[Child]:
-        children: dict[str, Child] = {}
+    def _children(self, directory: Node, page: ListPage) -> list[Child]:
+        """The entries one page of a listing names (a prefix and an object of one name
+        may come on different pages: the tree settles that)."""
+        children: list[Child] = []
         prefix_len = len(directory.key)
-        for prefix in listing.prefixes:
+        for prefix in page.prefixes:
             name = prefix[prefix_len:-1]
             if self._acceptable(prefix, name):
-                children[name] = Child(name, True, prefix)
-        for info in listing.objects:
+                children.append(Child(name, True, prefix))
+        for info in page.objects:
             if info.key == directory.key:
                 continue  # the directory's own "dir/" marker object
             name = info.key[prefix_len:]
             if name.endswith("/"):
                 name = name[:-1]  # an empty marker reported as an object
-                if self._acceptable(info.key, name) and name not in children:
-                    children[name] = Child(name, True, info.key)
+                if self._acceptable(info.key, name):
+                    children.append(Child(name, True, info.key))
                 continue
-            if not self._acceptable(info.key, name):
-                continue
-            if name in children:
-                self._warn_once(info.key, f"object {info.key!r} is hidden by the directory "
-                                          f"{info.key + '/'!r} of the same name")
-                continue
-            children[name] = Child(name, False, info.key, info.size, info.mtime_ns,
-                                   info.version)
-        return list(children.values())
+            if self._acceptable(info.key, name):
+                children.append(Child(name, False, info.key, info.size, info.mtime_ns,
+                                      info.version))
+        return children
 
     def _acceptable(self, key: str, name: str) -> bool:
         reason = invalid_name_reason(name)

@@ -152,7 +152,7 @@ class ChunkPacking:
         if state is None or obj is None or not 0 < obj.size < self.small_limit \
                 or not self.disk.writable:
             return
-        layout = self.disk.packed_layout(BlockId(obj.key, obj.version, 0))
+        layout = self.disk.packed_layout(BlockId(obj.key, obj.version, 0, size=obj.size))
         packer = state.packer
         if layout is not None and not packer.expecting:  # else the next order decides
             if layout == state.layout:
@@ -167,7 +167,7 @@ class ChunkPacking:
         obj = self.objects.get(key)
         if obj is None:
             return None
-        return self.disk.packed_layout(BlockId(obj.key, obj.version, 0))
+        return self.disk.packed_layout(BlockId(obj.key, obj.version, 0, size=obj.size))
 
     def _queue(self, chunks: list[ChunkPlan], layout: bytes) -> None:
         for chunk in chunks:
@@ -217,7 +217,7 @@ class ChunkPacking:
         for file, obj in zip(chunk.files, objs, strict=True):
             if obj is None or obj.size != file.length:
                 continue
-            block = BlockId(obj.key, obj.version, 0)
+            block = BlockId(obj.key, obj.version, 0, size=obj.size)
             held = await self._bytes(obj, block, deadline)
             if held is not None:
                 blocks.append((block, *held))

@@ -33,20 +33,24 @@ only touched between awaits.
 from __future__ import annotations
 
 import collections
+import functools
+import itertools
 import logging
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import trio
 
 from bucketfs.backends.base import BackendError
+from bucketfs.backends.common import one_line
 from bucketfs.cache.blocks import BlockId, ObjectRef
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.hints.protocol import Order
-from bucketfs.namespace import Namespace
+from bucketfs.namespace import Namespace, Node
 from bucketfs.packer import ChunkPacking, layout_tag
 from bucketfs.prefetch.packing import NextPlan
 from bucketfs.prefetch.scheduler import AdaptiveConcurrency, PrefetchScheduler, PrefetchStats
+from bucketfs.tasks import failed, start_guarded
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,16 @@ _RESOLVE_SLICE = 2048
 #: saying so (kill -9): it is dropped, so its window stops holding the shared budget.
 PLAN_IDLE_S = 900.0
 _IDLE_CHECK_S = 30.0
+#: Orders (and announcements) being resolved at once, and the bytes of paths they may
+#: hold together: past either, a new order is refused with an error reply. A node's
+#: ranks send two each per epoch; a dataset of a million ~100-byte paths is ~100 MB.
+MAX_RESOLVING = 64
+MAX_RESOLVING_BYTES = 512 << 20
+
+
+def _paths_bytes(paths: Sequence[str]) -> int:
+    # Characters, plus a str object's overhead each: close to what Python holds.
+    return sum(map(len, paths)) + 56 * len(paths)
 
 
 @dataclass(eq=False, slots=True)
@@ -94,6 +108,11 @@ class HintedPrefetch:
         self.objects: dict[str, ObjectRef] = {}
         self._tasks: dict[str, trio.CancelScope] = {}
         self._generation: dict[Hashable, int] = {}
+        self._generations = itertools.count(1)
+        #: The cancel scope and the bytes of paths of each order being resolved, by
+        #: (job, rank) and slot ("order" or "next"); the bytes of them all.
+        self._resolutions: dict[tuple[Hashable, str], tuple[trio.CancelScope, int]] = {}
+        self._resolving_bytes = 0
         #: Per job (and rank): the epoch of its last order, the generation of the order
         #: installed, its latest next-epoch order.
         self._epoch: dict[Hashable, int] = {}
@@ -107,6 +126,10 @@ class HintedPrefetch:
         self._nursery: trio.Nursery | None = None
         self.unknown_paths = 0
         self.orders = 0
+        #: Orders refused because too much was being resolved, and orders dropped
+        #: because their resolution failed (a LIST that failed after retries, a bug).
+        self.refused_orders = 0
+        self.failed_orders = 0
         self.next_orders = 0
         #: The scheduler's counters as of the last event (read by the metrics thread).
         self.last_stats: PrefetchStats = self.scheduler.stats()
@@ -125,21 +148,27 @@ class HintedPrefetch:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             if self.packing is not None:
-                nursery.start_soon(self.packing.run)
-            nursery.start_soon(self._expire_idle_plans)
+                start_guarded(nursery, "chunk packing", self.packing.run)
+            start_guarded(nursery, "expiring idle plans", self._expire_idle_plans)
             task_status.started()
             while True:
-                target = self.concurrency.update(trio.current_time())
-                if target != self._target_logged:
-                    log.debug("hints: %d GETs in flight at most, was %d", target,
-                              self._target_logged)
-                    self._target_logged = target
-                free = target - len(self._tasks)
-                if free > 0:
-                    for key in self.scheduler.next_fetches(free):
-                        nursery.start_soon(self._fetch, key)
+                try:
+                    self._start_fetches(nursery)
+                except Exception as exc:  # a bug in planning: hints stall, reads go on
+                    failed("starting prefetches", exc)
                 self._wake = trio.Event()
                 await self._wake.wait()
+
+    def _start_fetches(self, nursery: trio.Nursery) -> None:
+        target = self.concurrency.update(trio.current_time())
+        if target != self._target_logged:
+            log.debug("hints: %d GETs in flight at most, was %d", target,
+                      self._target_logged)
+            self._target_logged = target
+        free = target - len(self._tasks)
+        if free > 0:
+            for key in self.scheduler.next_fetches(free):
+                start_guarded(nursery, "a prefetch", self._fetch, key)
 
     def _poke(self) -> None:
         self.last_stats = self.scheduler.stats()
@@ -154,10 +183,12 @@ class HintedPrefetch:
         if order.next_epoch:
             self._on_next_order(job, order)
             return
-        generation = self._generation[job] = self._generation.get(job, 0) + 1
+        self._admit(job, "order", order)
+        generation = self._generation[job] = next(self._generations)
         self._epoch[job] = order.epoch
         self.orders += 1
-        self._nursery.start_soon(self._install, job, order, generation)
+        self._resolve_in_background(job, "order", order.paths,
+                                    functools.partial(self._install, job, order, generation))
 
     def _on_next_order(self, job: tuple[str, int], order: Order) -> None:
         """The order `job` will read after the one it sent last: advice for laying out
@@ -173,24 +204,86 @@ class HintedPrefetch:
         self.next_orders += 1
         if self.packing is None:
             return  # it only lays out SSD chunks
+        self._admit(job, "next", order)
         announced = self._announced[job] = _Announced(self._generation[job])
         if self._installed.get(job) == announced.follows:
             self.packing.expect_next(job)
-        self._nursery.start_soon(self._install_next, job, order, announced)
+        self._resolve_in_background(job, "next", order.paths,
+                                    functools.partial(self._install_next, job, order, announced))
+
+    def _admit(self, job: tuple[str, int], slot: str, order: Order) -> None:
+        """Refuse an order that would take the paths held by resolutions past their
+        bounds (a client that floods the socket must not grow the daemon without end).
+        One that replaces a resolution of the same job and slot takes its place."""
+        replaced = self._resolutions.get((job, slot))
+        count = len(self._resolutions) - (replaced is not None)
+        held = self._resolving_bytes - (replaced[1] if replaced is not None else 0)
+        if count >= MAX_RESOLVING:
+            self.refused_orders += 1
+            raise ValueError(f"{count} orders are being resolved already "
+                             f"(limit {MAX_RESOLVING}); send it again later")
+        if held + _paths_bytes(order.paths) > MAX_RESOLVING_BYTES:
+            self.refused_orders += 1
+            raise ValueError(f"orders being resolved hold {held >> 20} MiB of paths already "
+                             f"(limit {MAX_RESOLVING_BYTES >> 20} MiB); send it again later")
 
     def on_end(self, job: str) -> None:
-        for plan in [j for j in self.scheduler.plans if isinstance(j, tuple) and j[0] == job]:
-            self._generation[plan] = self._generation.get(plan, 0) + 1
-            self._cancel(self.scheduler.end_job(plan))
-            if self.packing is not None:
-                self.packing.end(plan, forget=True)
-        for pending in [j for j in self._generation if j[0] == job]:
-            self._generation[pending] += 1  # an order still resolving is dropped
-            self._epoch.pop(pending, None)
-            self._installed.pop(pending, None)
-            self._announced.pop(pending, None)  # and a next order too
+        plans = {j for j in self.scheduler.plans if isinstance(j, tuple) and j[0] == job}
+        for plan in plans | {j for j in self._generation if j[0] == job}:
+            self._forget_job(plan)
         self._forget_unplanned()
         self._poke()
+
+    def _forget_job(self, job: tuple[str, int]) -> None:
+        """Everything kept for one (job, rank): its plan and fetches, its packer, an order
+        or announcement still resolving (cancelled), its generation and epoch."""
+        if job in self.scheduler.plans:
+            self._cancel(self.scheduler.end_job(job))
+        if self.packing is not None:
+            self.packing.end(job, forget=True)
+        for slot in ("order", "next"):
+            resolution = self._resolutions.get((job, slot))
+            if resolution is not None:
+                resolution[0].cancel()
+        # Generations come from one counter, so an order resolving for a forgotten job
+        # can never match a later order's generation.
+        self._generation.pop(job, None)
+        self._epoch.pop(job, None)
+        self._installed.pop(job, None)
+        self._announced.pop(job, None)
+
+    def _resolve_in_background(self, job: tuple[str, int], slot: str, paths: Sequence[str],
+                               work: Callable[[], Awaitable[None]]) -> None:
+        """Start one order's resolution and install. A newer one in the same slot of the
+        same job cancels it (decided here, in arrival order, not when the tasks run)."""
+        assert self._nursery is not None
+        name = (job, slot)
+        older = self._resolutions.get(name)
+        if older is not None:
+            older[0].cancel()  # superseded: its result would be dropped anyway
+        scope, size = trio.CancelScope(), _paths_bytes(paths)
+        self._resolutions[name] = (scope, size)
+        self._resolving_bytes += size
+        self._nursery.start_soon(self._resolving_task, job, name, scope, size, work)
+
+    async def _resolving_task(self, job: tuple[str, int], name: tuple[Hashable, str],
+                              scope: trio.CancelScope, size: int,
+                              work: Callable[[], Awaitable[None]]) -> None:
+        """Whatever goes wrong fails this order (one log line), never the mount."""
+        try:
+            with scope:
+                await work()
+        except Exception as exc:
+            self.failed_orders += 1
+            reason = str(exc) if isinstance(exc, BackendError) \
+                else f"{type(exc).__name__}: {exc}"
+            log.warning("hints: an order of job %s rank %d was dropped: %s", job[0], job[1],
+                        one_line(reason))
+            log.debug("hints: the order failed", exc_info=True)
+        finally:
+            self._resolving_bytes -= size
+            if self._resolutions.get(name, (None,))[0] is scope:
+                del self._resolutions[name]
 
     async def _install(self, job: tuple[str, int], order: Order, generation: int) -> None:
         self._resolving += 1
@@ -202,9 +295,9 @@ class HintedPrefetch:
                 layout = await trio.to_thread.run_sync(layout_tag, resolved)
         finally:
             self._resolving -= 1
-        early = list(self._early_opens)
-        if not self._resolving:
-            self._early_opens.clear()
+            early = list(self._early_opens)
+            if not self._resolving:
+                self._early_opens.clear()
         if self._generation.get(job) != generation:
             return  # a newer order (or the job's end) arrived meanwhile
         log.info("hints: job %s rank %d epoch %d: %d files (%d paths not found)", order.job,
@@ -258,31 +351,44 @@ class HintedPrefetch:
         for key in [k for k in self.objects if k not in planned]:
             del self.objects[key]
 
-    async def _resolve(self, paths: list[str]) -> list[ObjectRef]:
-        directories: dict[str, int | None] = {"": self.namespace.root.inode}
+    async def _resolve(self, paths: Sequence[str]) -> list[ObjectRef]:
+        """The objects the paths name now; a path that names no file (missing, a
+        directory, under a directory a re-listing removed) is counted and skipped.
+        Walks each path's directories from the root with a cache of (directory inode,
+        name) -> inode for this order, so a deep path costs one lookup per segment and
+        no recursion, and what the cache holds is bounded by the directories that exist."""
+        known: dict[tuple[int, str], int | None] = {}
         resolved: list[ObjectRef] = []
-        for count, path in enumerate(paths, 1):
-            parent, _, name = path.rpartition("/")
-            inode = await self._directory(parent, directories)
-            node = None if inode is None else await self.namespace.lookup(inode, name)
+        lookups = 0
+        for path in paths:
+            *directories, name = path.split("/")
+            inode: int | None = self.namespace.root.inode
+            for segment in directories:
+                step = (inode, segment)
+                if step not in known:
+                    node = await self._lookup(inode, segment)
+                    lookups += 1
+                    # A missing directory is remembered once, not every path below it.
+                    known[step] = node.inode if node is not None and node.is_dir else None
+                inode = known[step]
+                if inode is None:
+                    break
+            node = None if inode is None else await self._lookup(inode, name)
+            lookups += 1
             if node is None or node.is_dir:
                 self.unknown_paths += 1
-                continue
-            resolved.append(ObjectRef(node.key, node.version, node.size))
-            if count % _RESOLVE_SLICE == 0:
-                await trio.sleep(0)
+            else:
+                resolved.append(ObjectRef(node.key, node.version, node.size))
+            if lookups >= _RESOLVE_SLICE:
+                lookups = 0
+                await trio.sleep(0)  # FUSE requests are served between slices
         return resolved
 
-    async def _directory(self, path: str, known: dict[str, int | None]) -> int | None:
-        """The inode of the directory at `path`, None if there is none; `known` caches
-        the answers for one order."""
-        if path in known:
-            return known[path]
-        parent, _, name = path.rpartition("/")
-        inode = await self._directory(parent, known)
-        node = None if inode is None else await self.namespace.lookup(inode, name)
-        known[path] = node.inode if node is not None and node.is_dir else None
-        return known[path]
+    async def _lookup(self, parent: int, name: str) -> Node | None:
+        try:
+            return await self.namespace.lookup(parent, name)
+        except KeyError:  # the directory's inode went with a re-listing
+            return None
 
     # --- the read path (sync, trio thread) -----------------------------------------------
 
@@ -306,7 +412,7 @@ class HintedPrefetch:
         obj = self.objects.get(key)  # type: ignore[call-overload]
         if obj is None or self.cache is None:
             return False
-        return all(self.cache.holds(BlockId(obj.key, obj.version, i))
+        return all(self.cache.holds(BlockId(obj.key, obj.version, i, size=obj.size))
                    for i in self._blocks(obj))
 
     def _ram_evicted(self, block: BlockId) -> None:
@@ -322,20 +428,20 @@ class HintedPrefetch:
 
     async def _fetch(self, key: str) -> None:
         assert self.cache is not None
-        obj = self.objects[key]
         outcome = self.scheduler.cancelled
         started = trio.current_time()
         with trio.CancelScope() as scope:
             self._tasks[key] = scope
             try:
+                obj = self.objects[key]
                 for index in self._blocks(obj):
                     await self.cache.get(obj, index)
                 outcome = self.scheduler.fetched
             except BackendError as exc:  # the reader's own read tries again
                 log.warning("hints: prefetch of %r failed: %s", key, exc)
                 outcome = self.scheduler.failed
-            except Exception:  # a bug here must not take the mount down
-                log.exception("hints: prefetch of %r failed", key)
+            except Exception as exc:  # a bug here must not take the mount down
+                failed(f"prefetch of {key!r}", exc)
                 outcome = self.scheduler.failed
             finally:
                 del self._tasks[key]
@@ -354,17 +460,26 @@ class HintedPrefetch:
         seen: dict[Hashable, tuple[int, float]] = {}  # plan -> (position, since)
         while True:
             await trio.sleep(_IDLE_CHECK_S)
-            now = trio.current_time()
-            for job, plan in list(self.scheduler.plans.items()):
-                position, since = seen.get(job, (-1, now))
-                if plan.position != position:
-                    seen[job] = (plan.position, now)
-                elif now - since > PLAN_IDLE_S:
-                    log.info("hints: job %s has not read for %.0f s; dropping its plan",
-                             job[0] if isinstance(job, tuple) else job, now - since)
+            try:
+                self._expire(seen)
+            except Exception as exc:
+                failed("expiring idle plans", exc)
+
+    def _expire(self, seen: dict[Hashable, tuple[int, float]]) -> None:
+        now = trio.current_time()
+        for job, plan in list(self.scheduler.plans.items()):
+            position, since = seen.get(job, (-1, now))
+            if plan.position != position:
+                seen[job] = (plan.position, now)
+            elif now - since > PLAN_IDLE_S:
+                log.info("hints: job %s has not read for %.0f s; dropping its plan",
+                         job[0] if isinstance(job, tuple) else job, now - since)
+                if isinstance(job, tuple):
+                    self._forget_job(job)
+                else:
                     self._cancel(self.scheduler.end_job(job))
-                    self._forget_unplanned()
-                    seen.pop(job, None)
-            for job in [j for j in seen if j not in self.scheduler.plans]:
-                del seen[job]
-            self._poke()
+                self._forget_unplanned()
+                seen.pop(job, None)
+        for job in [j for j in seen if j not in self.scheduler.plans]:
+            del seen[job]
+        self._poke()

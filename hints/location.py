@@ -24,16 +24,24 @@ def mount_digest(mountpoint: str) -> str:
     return hashlib.sha256(mountpoint.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
+#: Root's state directories, when it has no XDG_RUNTIME_DIR (a systemd service).
+ROOT_RUNTIME = Path("/run/bucketfs")
+
+
 def tmp_root(uid: int) -> Path:
     return Path(f"/tmp/bucketfs-{uid}")
 
 
 def runtime_root() -> Path:
-    """Where this process (the daemon) keeps the state directories of its mounts."""
+    """Where this process (the daemon) keeps the state directories of its mounts: the
+    user's runtime directory, else /run/bucketfs for root, else a directory under /tmp
+    that the daemon refuses to use unless it is its own (bucketfs/runtime.py)."""
     base = os.environ.get("XDG_RUNTIME_DIR")
     if base and os.path.isdir(base) and os.access(base, os.W_OK):
         return Path(base) / "bucketfs"
-    return tmp_root(os.getuid())
+    if os.geteuid() == 0:
+        return ROOT_RUNTIME
+    return tmp_root(os.geteuid())
 
 
 def state_dir(mountpoint: str) -> Path:
@@ -59,7 +67,8 @@ def socket_candidates(mountpoint: str, owner_uid: int | None) -> list[Path]:
         roots.append(Path(f"/run/user/{owner_uid}/bucketfs"))
     if base := os.environ.get("XDG_RUNTIME_DIR"):
         roots.append(Path(base) / "bucketfs")
-    roots.append(tmp_root(os.getuid() if owner_uid is None else owner_uid))
+    owner = os.geteuid() if owner_uid is None else owner_uid
+    roots.append(ROOT_RUNTIME if owner == 0 else tmp_root(owner))
     unique = dict.fromkeys(root / digest / SOCKET_NAME for root in roots)
     return list(unique)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
@@ -46,3 +48,33 @@ def fault_proxy() -> Iterator[Callable[..., FaultProxy]]:
     yield make
     for proxy in proxies:
         proxy.stop()
+
+
+# --- Tests that need privileges ------------------------------------------------------
+#
+# `fuse`: the test mounts a FUSE filesystem (root, or a user who may open /dev/fuse and
+# run fusermount3). `root`: it needs root itself (dropping the page cache, mounting a
+# tmpfs or a loop device, acting as another user, kernel settings). Without them the
+# test is skipped with the reason; the rest of the suite runs as any user.
+
+
+def _fuse_usable() -> bool:
+    if shutil.which("fusermount3") is None:
+        return False
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = os.geteuid() == 0
+    fuse = root or _fuse_usable()
+    needs_root = pytest.mark.skip(reason="needs root (see README: running the tests)")
+    needs_fuse = pytest.mark.skip(reason="needs FUSE: this user cannot open /dev/fuse")
+    for item in items:
+        if "root" in item.keywords and not root:
+            item.add_marker(needs_root)
+        elif "fuse" in item.keywords and not fuse:
+            item.add_marker(needs_fuse)

@@ -14,7 +14,7 @@ from rocksdict import Options, Rdict
 
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
-from bucketfs.cache.blocks import BlockId, ObjectRef, block_span
+from bucketfs.cache.blocks import BlockId, ObjectRef, block_span, entry_block, entry_name
 from bucketfs.cache.disk import STATE_KEY, DiskTier
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
@@ -48,7 +48,7 @@ class Harness:
             disk = None
             if self.directory is not None:
                 disk = DiskTier(self.directory, self.disk_capacity, make_policy(self.policy),
-                                namespace="mem://bucket")
+                                source="mem://bucket", block_size=BLOCK)
             async with trio.open_nursery() as nursery:
                 store = ObjectStore(self.backend, max_workers=4, retry=RetryPolicy(1))
                 ram = RamTier(self.ram_capacity, make_policy(self.policy))
@@ -199,12 +199,12 @@ def test_reopen_counts_the_same_bytes_after_a_clean_close_or_a_crash(tmp_path, c
     directory = tmp_path / "cache"
     h = Harness(dataset(30), ram=1, disk=1 * MiB, directory=directory)
     h.run(h.read_all)  # twice the budget: evictions happen
-    tier = DiskTier(directory, 1 * MiB, make_policy(), namespace="mem://bucket")
+    tier = DiskTier(directory, 1 * MiB, make_policy(), source="mem://bucket", block_size=BLOCK)
     used, clock, records = tier.used, tier.ranking.clock, tier.ranking.gap_count
     tier.close()
     if crashed:
         as_if_crashed(directory)
-    again = DiskTier(directory, 1 * MiB, make_policy(), namespace="mem://bucket")
+    again = DiskTier(directory, 1 * MiB, make_policy(), source="mem://bucket", block_size=BLOCK)
     assert (again.used, again.ranking.gap_count) == (used, records)
     # After a crash the clock is recounted from the entries left: never behind them.
     assert again.ranking.clock <= clock if crashed else again.ranking.clock == clock
@@ -215,7 +215,16 @@ def test_reopen_counts_the_same_bytes_after_a_clean_close_or_a_crash(tmp_path, c
 def test_block_span():
     assert block_span(10, 4, 0) == (0, 4)
     assert block_span(10, 4, 2) == (8, 10)
-    assert BlockId("k", "v", 1).encode("s3://b") == b"s3://b\0k\0v\x001"
+    block = BlockId("k", "v", 1, size=10)
+    assert entry_name("s3://b", block, 4) == b"s3://b\0k\0v\x0010\x004\x004"
+    assert entry_block(entry_name("s3://b", block, 4), "s3://b", 4) == block
+    # The same span under another block size is not one of its blocks; another origin's
+    # entry is not this origin's.
+    assert entry_block(entry_name("s3://b", block, 4), "s3://b", 3) is None
+    assert entry_block(entry_name("s3://b", block, 4), "s3://c", 4) is None
+    # An object no larger than both block sizes is one entry for both.
+    small = BlockId("k", "v", 0, size=3)
+    assert entry_name("s3://b", small, 4) == entry_name("s3://b", small, 8)
 
 
 @pytest.fixture
@@ -231,6 +240,7 @@ def tiny_filesystem(tmp_path):
         subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
+@pytest.mark.root
 def test_full_disk_steps_aside_and_reads_go_on(tiny_filesystem: Path, caplog):
     objects = dataset(60)  # ~6 MiB: more than the filesystem holds
     h = Harness(objects, ram=256 * KiB, disk=100 * MiB, directory=tiny_filesystem / "cache")
@@ -246,6 +256,7 @@ def test_full_disk_steps_aside_and_reads_go_on(tiny_filesystem: Path, caplog):
     assert len(steps) == 1
 
 
+@pytest.mark.root
 def test_free_space_floor_is_kept_without_wiping_the_cache(tiny_filesystem: Path):
     objects = dataset(20)  # ~2 MiB
     directory = tiny_filesystem / "cache"

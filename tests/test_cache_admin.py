@@ -33,7 +33,8 @@ SIZES = [100 * KiB + i for i in range(5)]
 
 
 def open_tier(directory: Path) -> DiskTier:
-    return DiskTier(directory, 64 * MiB, make_policy("lru"), namespace="mem://bucket")
+    return DiskTier(directory, 64 * MiB, make_policy("lru"), source="mem://bucket",
+                    block_size=4 * MiB)
 
 
 def populate(directory: Path) -> int:
@@ -41,7 +42,7 @@ def populate(directory: Path) -> int:
     rng = random.Random(3)
     disk = open_tier(directory)
     for i, size in enumerate(SIZES):
-        assert disk.put(BlockId(f"img/{i}.jpg", "v1", 0), rng.randbytes(size), 0.01)
+        assert disk.put(BlockId(f"img/{i}.jpg", "v1", 0, size=size), rng.randbytes(size), 0.01)
     disk.close()
     return sum(SIZES)
 
@@ -135,7 +136,7 @@ def test_clear_frees_everything_and_a_new_mount_starts_empty(tmp_path):
     assert freed >= on_disk > data  # opening the index to check its lock may add a file
     assert directory.is_dir() and not list(directory.iterdir())
     disk = open_tier(directory)
-    assert disk.used == 0 and disk.get(BlockId("img/0.jpg", "v1", 0)) is None
+    assert disk.used == 0 and disk.get(BlockId("img/0.jpg", "v1", 0, size=SIZES[0])) is None
     disk.close()
 
 
@@ -173,7 +174,8 @@ def test_clear_refuses_a_cache_in_use_by_this_process(tmp_path):
     try:
         with pytest.raises(CacheAdminError, match="in use by a mount"):
             clear_cache(directory)
-        assert disk.get(BlockId("img/0.jpg", "v1", 0)) is not None, "the mount was disturbed"
+        first = BlockId("img/0.jpg", "v1", 0, size=SIZES[0])
+        assert disk.get(first) is not None, "the mount was disturbed"
     finally:
         disk.close()
     assert cache_stats(directory)["entries"] == 5
@@ -216,7 +218,7 @@ def test_a_mount_starting_during_clear_puts_everything_back(tmp_path, monkeypatc
     with pytest.raises(CacheAdminError, match="in use"):
         clear_cache(directory)
     assert len(checks) == 2
-    assert sorted(p.name for p in directory.iterdir()) == ["data", "index"]
+    assert sorted(p.name for p in directory.iterdir()) == ["chunks", "data", "index"]
     assert cache_stats(directory)["entries"] == 5
 
 

@@ -34,12 +34,12 @@ LAYOUT_A, LAYOUT_B = b"layout-a", b"layout-b"
 
 def files(count: int, seed: int = 0, size: int = 100 * KiB) -> dict[BlockId, bytes]:
     rng = random.Random(seed)
-    return {BlockId(f"img/{seed}-{i:04d}.jpg", "v1", 0): rng.randbytes(size + 17 * i)
-            for i in range(count)}
+    return {BlockId(f"img/{seed}-{i:04d}.jpg", "v1", 0, size=size + 17 * i):
+            rng.randbytes(size + 17 * i) for i in range(count)}
 
 
 def open_tier(directory: Path, capacity: int = 64 * MiB, policy: str = "cost-lrfu") -> DiskTier:
-    return DiskTier(directory, capacity, make_policy(policy), namespace=NS)
+    return DiskTier(directory, capacity, make_policy(policy), source=NS, block_size=MiB)
 
 
 def as_if_crashed(directory: Path) -> None:
@@ -259,23 +259,28 @@ def test_another_policy_rebuilds_the_chunks_ranks_too(tmp_path):
     again.close()
 
 
-def test_a_format_2_cache_opens_with_no_chunks(tmp_path):
+@pytest.mark.parametrize("older", [b"1", b"2", b"3"])
+def test_a_cache_of_an_older_format_starts_afresh(tmp_path, older):
+    # Entries of formats 1 to 3 do not say which block size cut them: none is trusted.
     directory = tmp_path / "cache"
     blocks = files(3)
     disk = open_tier(directory)
     for block, data in blocks.items():
         assert disk.put(block, data, 0.01)
+    assert pack(disk, files(4, seed=1))
     disk.close()
     index = Rdict(str(directory / "index"), Options(raw_mode=True))
-    index[b"C:format"] = b"2"
-    index.delete(b"C:chunks")  # a format-2 build did not save chunk totals
+    index[b"C:format"] = older
     index.close()
     again = open_tier(directory)
-    assert totals(again) == (sum(map(len, blocks.values())), 0, 0, 0)
+    assert totals(again) == (0, 0, 0, 0)
+    assert all(again.get(block) is None for block in blocks)
+    assert not any((directory / "data").rglob("*.blk"))
+    assert not (directory / "chunks").exists() or not any((directory / "chunks").iterdir())
     assert pack(again, blocks) and again.chunks.count == 1
     again.close()
     index = Rdict(str(directory / "index"), Options(raw_mode=True))
-    assert index[b"C:format"] == b"3"  # a format-2 build now refuses it
+    assert index[b"C:format"] == b"4"  # an older build now refuses it
     index.close()
 
 
@@ -465,7 +470,7 @@ def test_shuffled_epochs_are_not_rewritten_and_a_repeated_order_is_laid_out_anew
                 await settle(packing)
                 seen.append((packing.chunks_written, disk.chunks.count,
                              disk.packed_layout(BlockId(first[0], objects[first[0]].version,
-                                                        0))))
+                                                        0, size=objects[first[0]].size))))
             nursery.cancel_scope.cancel()
 
     run_cache(directory, backend, body, ram=1 * MiB)  # mostly read back from SSD

@@ -119,7 +119,7 @@ class Tier:
 
     def __init__(self, path, capacity: int, plans: PrefetchScheduler | None) -> None:
         self.disk = DiskTier(path, capacity * SIZE, make_policy("cost-lrfu"),
-                             namespace="test")
+                             source="test", block_size=SIZE)
         self.plans = plans
         if plans is not None:
             self.disk.foresight = HintedVictims(NextUse(plans).outlook)
@@ -127,7 +127,7 @@ class Tier:
     def read(self, key: str) -> bool:
         if self.plans is not None:
             self.plans.observe_read(key)
-        block = BlockId(key, "v1", 0)
+        block = BlockId(key, "v1", 0, size=SIZE)
         if self.disk.get(block) is not None:
             return True
         # Not stored when it is used later than anything it would evict (MIN's rule)
@@ -177,19 +177,20 @@ def test_files_in_a_reader_window_are_never_evicted(tmp_path) -> None:
     assert len(window) == 5
     tier = Tier(tmp_path / "tier", 8, plans)
     for key in window:  # prefetched: stored, not read
-        assert tier.disk.put(BlockId(key, "v1", 0), b"x" * SIZE, 0.01)
+        assert tier.disk.put(BlockId(key, "v1", 0, size=SIZE), b"x" * SIZE, 0.01)
     for i in range(50):
         tier.read(f"other/{i}")
     for key in window:
-        assert BlockId(key, "v1", 0) in tier.disk
+        assert BlockId(key, "v1", 0, size=SIZE) in tier.disk
 
 
 def test_packing_stored_files_into_a_chunk_evicts_nothing(tmp_path) -> None:
     # A full tier re-lays out files it already holds: their block files give their room
     # back when the chunk is indexed, so nothing else has to go (it used to evict a
     # chunk's worth of files the readers had yet to read).
-    tier = DiskTier(tmp_path / "tier", 8 * SIZE, make_policy("cost-lrfu"), namespace="test")
-    blocks = [BlockId(f"f{i}", "v1", 0) for i in range(8)]
+    tier = DiskTier(tmp_path / "tier", 8 * SIZE, make_policy("cost-lrfu"), source="test",
+                    block_size=SIZE)
+    blocks = [BlockId(f"f{i}", "v1", 0, size=SIZE) for i in range(8)]
     for block in blocks:
         assert tier.put(block, block.key.encode().ljust(SIZE, b"."), 0.01)
     assert tier.write_chunk([(b, b.key.encode().ljust(SIZE, b"."), 0.01) for b in blocks[:4]],

@@ -11,6 +11,8 @@ import pytest
 
 from tests.mounting import expected_tree, mounted, read_log, tree
 
+pytestmark = pytest.mark.fuse
+
 MiB = 1024**2
 
 

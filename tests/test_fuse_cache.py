@@ -17,6 +17,8 @@ import pytest
 from bucketfs.runtime import state_dir
 from tests.mounting import bucketfs, force_unmount, mounted, sha256_file
 
+pytestmark = [pytest.mark.fuse, pytest.mark.root]
+
 KiB, MiB = 1024, 1024**2
 FILES = {f"train/c{i % 4}/{i:04d}.jpg": random.Random(i).randbytes(60 * KiB + i * 97)
          for i in range(120)}

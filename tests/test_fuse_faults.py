@@ -12,6 +12,8 @@ import pytest
 
 from tests.mounting import bucketfs, mounted, read_log
 
+pytestmark = pytest.mark.fuse
+
 MiB = 1024**2
 FILES = {name: random.Random(name).randbytes(size) for name, size in [
     ("good.bin", 200_000), ("flaky.bin", 150_000), ("broken.bin", 100_000),

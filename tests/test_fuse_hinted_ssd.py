@@ -7,10 +7,14 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
+
 from bucketfs.hints import send_order
 from tests.mounting import mounted
 from tests.servers import free_ports
 from tests.test_fuse_hints import metrics
+
+pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
 FILES = 160
 FILE_BYTES = 40_000

@@ -8,6 +8,7 @@ import re
 import time
 import urllib.request
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 from torchvision import datasets, transforms
@@ -16,6 +17,8 @@ from bucketfs.demo import make_image_dataset
 from bucketfs.hints import HintSampler
 from tests.mounting import bucketfs, mounted
 from tests.servers import free_ports
+
+pytestmark = pytest.mark.fuse
 
 
 def metrics(port: int) -> dict[str, float]:

@@ -15,6 +15,8 @@ import pytest
 from bucketfs.runtime import state_dir
 from tests.mounting import mounted, sha256_file, tree
 
+pytestmark = pytest.mark.fuse
+
 MiB = 1024**2
 
 
@@ -154,6 +156,7 @@ def test_multi_gigabyte_object_streams_in_bounded_memory(tmp_path):
         assert _peak_rss_kib(pid) < 400 * 1024
 
 
+@pytest.mark.root  # only root may raise it
 def test_kernel_readahead_is_raised_for_the_mount(source, tmp_path):
     from bucketfs.runtime import mounted as mount_entry
 

@@ -27,6 +27,8 @@ from tests.servers import free_ports
 from tests.test_fuse_hints import metrics
 from tests.test_packing_next_epoch import chunk_layouts, follows
 
+pytestmark = [pytest.mark.fuse, pytest.mark.root]
+
 KiB = 1024
 COUNT = 240
 

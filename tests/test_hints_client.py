@@ -75,7 +75,10 @@ def test_daemon_and_client_agree_on_the_socket(monkeypatch, tmp_path):
         Path(f"/tmp/bucketfs-1000/{digest}/hints.sock"),
     ]
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert runtime.state_dir("/mnt/b") == Path(f"/tmp/bucketfs-{os.getuid()}/{digest}")
+    # Without a runtime directory: /run/bucketfs for root, else /tmp/bucketfs-UID.
+    fallback = "/run/bucketfs" if os.geteuid() == 0 else f"/tmp/bucketfs-{os.geteuid()}"
+    assert runtime.state_dir("/mnt/b") == Path(f"{fallback}/{digest}")
+    assert socket_candidates("/mnt/b", 0)[-1] == Path(f"/run/bucketfs/{digest}/hints.sock")
     monkeypatch.setenv(location.SOCKET_ENV, "/elsewhere/h.sock")
     assert socket_candidates("/mnt/b", 1000) == [Path("/elsewhere/h.sock")]
 

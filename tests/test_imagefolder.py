@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torchvision import datasets, transforms
 
 from bucketfs.demo import make_image_dataset
 from tests.mounting import mounted
+
+pytestmark = pytest.mark.fuse
 
 
 def load_all(root: Path) -> tuple[list[str], list[tuple[torch.Tensor, int]]]:

@@ -41,7 +41,8 @@ def run_mount(backend, body, *, directory=None, ram=1024 * KiB):
     async def main():
         disk = None
         if directory is not None:
-            disk = DiskTier(directory, 16 * BLOCK, make_policy("lru"), namespace=backend.url)
+            disk = DiskTier(directory, 16 * BLOCK, make_policy("lru"), source=backend.url,
+                            block_size=BLOCK)
         async with trio.open_nursery() as nursery:
             store = ObjectStore(backend, max_workers=4, retry=RetryPolicy(3, 0.0, 0.0))
             cache = BlockCache(store, RamTier(ram, make_policy("lru")), disk,
@@ -86,7 +87,7 @@ def test_scrape_reports_the_counters_of_cache_store_and_reader(tmp_path):
         await cache.get(a, 0)  # RAM hit
         await cache.get(b, 0)  # miss after one retry
         await settle(cache, reader)  # both written through to SSD
-        cache.ram.remove(BlockId(a.key, a.version, 0))
+        cache.ram.remove(BlockId(a.key, a.version, 0, size=a.size))
         await cache.get(a, 0)  # SSD hit
         big = reader.open("big", backend.version("big"), len(backend.objects["big"]))
         offset = 0
@@ -217,7 +218,7 @@ def test_the_documented_list_is_exactly_what_a_mount_exports(tmp_path):
 
     async def main():
         disk = DiskTier(tmp_path / "cache", 16 * BLOCK, make_policy("lru"),
-                        namespace=backend.url)
+                        source=backend.url, block_size=BLOCK)
         async with trio.open_nursery() as nursery:
             store = ObjectStore(backend, max_workers=4, retry=RetryPolicy(1))
             cache = BlockCache(store, RamTier(BLOCK, make_policy("lru")), disk,

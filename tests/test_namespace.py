@@ -91,20 +91,23 @@ def test_listing_is_paginated_lazy_and_single_flight():
     trio.run(main)
 
 
-def test_ttl_relists_and_keeps_inodes():
+def test_ttl_relists_keeps_inodes_and_gives_a_changed_object_a_new_one():
     now = [0.0]
-    backend, ns = make({"p/a": b"1"}, prefix="p/", ttl=10, clock=lambda: now[0])
+    backend, ns = make({"p/a": b"1", "p/c": b"3"}, prefix="p/", ttl=10, clock=lambda: now[0])
 
     async def main():
-        a = await ns.lookup(1, "a")
+        a, c = await ns.lookup(1, "a"), await ns.lookup(1, "c")
         backend.objects["p/b"] = b"2"
         backend.objects["p/a"] = b"changed"
         assert await ns.lookup(1, "b") is None  # still within the TTL
         now[0] = 11
         b = await ns.lookup(1, "b")
         assert b is not None
+        assert (await ns.lookup(1, "c")).inode == c.inode  # unchanged: the same inode
         a2 = await ns.lookup(1, "a")
-        assert a2.inode == a.inode and a2.size == len(b"changed")
+        # One inode, one version: the kernel's pages of the old one stay the old bytes.
+        assert a2.inode != a.inode and a2.size == len(b"changed")
+        assert ns.get(a.inode).version == a.version  # still there for its handles
 
     trio.run(main)
     assert backend.calls["list"] == 2

@@ -135,7 +135,8 @@ def run(files: dict[str, bytes], directory: Path, body, *, ram: int = 64 * MiB) 
         namespace = Namespace(store, "train/")
         prefetch = HintedPrefetch(namespace, window_bytes=8 * MiB, budget_bytes=8 * MiB,
                                   connections=4, block_size=MiB)
-        disk = DiskTier(directory, 512 * MiB, make_policy("cost-lrfu"), namespace="mem://b")
+        disk = DiskTier(directory, 512 * MiB, make_policy("cost-lrfu"), source="mem://b",
+                        block_size=MiB)
         async with trio.open_nursery() as nursery:
             cache = BlockCache(store, RamTier(ram, make_policy()), disk, block_size=MiB,
                                nursery=nursery)

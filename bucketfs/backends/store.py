@@ -10,13 +10,13 @@ from __future__ import annotations
 import bisect
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
 import trio
 
-from bucketfs.backends.base import Backend, ObjectInfo
+from bucketfs.backends.base import Backend, ListPage, ObjectInfo
 from bucketfs.backends.retry import RetryPolicy, call_with_retries
 
 T = TypeVar("T")
@@ -55,13 +55,6 @@ class LatencyHistogram:
     def observe(self, seconds: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
         self.sum += seconds
-
-
-@dataclass(slots=True)
-class DirListing:
-    objects: list[ObjectInfo] = field(default_factory=list)
-    prefixes: list[str] = field(default_factory=list)
-    pages: int = 0
 
 
 class ObjectStore:
@@ -104,10 +97,10 @@ class ObjectStore:
     async def check_access(self) -> None:
         await self._run(f"checking {self.backend.url}", "list", self.backend.check_access)
 
-    async def list_dir(self, prefix: str) -> DirListing:
-        """Every object and common prefix directly under `prefix`, all pages."""
-        out = DirListing()
-        seen: set[str] = set()
+    async def list_pages(self, prefix: str) -> AsyncIterator[ListPage]:
+        """The pages listing the objects and common prefixes directly under `prefix`, as
+        the bucket sends them (one page in memory at a time; a common prefix can come
+        back on several pages)."""
         token: str | None = None
         while True:
             page = await self._run(
@@ -115,14 +108,10 @@ class ObjectStore:
                 "list",
                 functools.partial(self.backend.list_page, prefix, "/", token, self.page_size),
             )
-            out.pages += 1
-            out.objects.extend(page.objects)
-            # A common prefix can come back on several pages (some servers repeat it).
-            out.prefixes.extend(p for p in page.prefixes if p not in seen)
-            seen.update(page.prefixes)
             token = page.next_token
+            yield page
             if token is None:
-                return out
+                return
 
     async def head(self, key: str) -> ObjectInfo:
         return await self._run(f"HEAD {key!r}", "head", functools.partial(self.backend.head, key))

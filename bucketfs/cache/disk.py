@@ -24,10 +24,13 @@ from worker threads, so every mutation of shared state holds `self.lock`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
 import os
+import shutil
+import stat
 import struct
 import threading
 import zlib
@@ -36,7 +39,7 @@ from pathlib import Path
 
 from rocksdict import Options, Rdict, WriteBatch
 
-from bucketfs.cache.blocks import BlockId
+from bucketfs.cache.blocks import BlockId, entry_block, entry_key_prefix, entry_length, entry_name
 from bucketfs.cache.chunks import (
     CHUNK_TOTALS_KEY,
     ENTRY,
@@ -50,6 +53,7 @@ from bucketfs.cache.foresight import HintedVictims
 from bucketfs.cache.ranking import IndexRanking
 from bucketfs.cache.scans import prefixed
 from bucketfs.prefetch.eviction import RankedPolicy
+from bucketfs.private import UnsafePath, openness, private_directory
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +62,12 @@ _HEADER = struct.Struct("<IQI")  # entry-name length, data length, crc32
 _RECORD = struct.Struct("<QId")  # data length, crc32, cost
 CLOCK_KEY = b"C:clock"  # format 1 only
 FORMAT_KEY = b"C:format"
-#: 2: eviction order as index keys (ranking.py). 3: chunk files (chunks.py). A format-1
-#: or -2 cache is upgraded in place; a format-2 build refuses a format-3 cache.
-FORMAT = b"3"
+#: 2: eviction order as index keys (ranking.py). 3: chunk files (chunks.py). 4: entries
+#: and listings name their origin's endpoint, and entries the object size and the byte
+#: span they hold (blocks.py). Entries of formats 1 to 3 do not say which block size cut
+#: them, so such a cache is started afresh; an older build refuses a newer cache.
+FORMAT = b"4"
+_OLDER_FORMATS = (b"1", b"2", b"3")
 STATE_KEY = b"C:state"
 POLICY_KEY = b"C:policy"
 _STATE = struct.Struct("<qqqqq")  # clock, miss clock, bytes used, gap sum, gap count
@@ -90,13 +97,17 @@ def _parse_record(value: bytes) -> tuple[int, int, float, tuple[float, ...]]:
 class DiskTier:
     def __init__(
         self, directory: str | os.PathLike[str], capacity: int, policy: RankedPolicy, *,
-        namespace: str, free_floor: int = 0,
+        source: str, block_size: int, free_floor: int = 0, group: int | None = None,
     ) -> None:
+        """`source` names the origin (scheme, endpoint, bucket): entries of other origins
+        sharing the directory stay apart. `block_size`: how this mount cuts objects.
+        `group`: a group that may read the cache too (else only its owner may)."""
         self.directory = Path(directory)
         self.capacity = capacity
         self.free_floor = free_floor
         self.policy = policy
-        self.namespace = namespace
+        self.source = source
+        self.block_size = block_size
         self.lock = threading.Lock()
         #: Entries being written now (their bytes already count in `used`).
         self.writing: dict[bytes, int] = {}
@@ -105,10 +116,14 @@ class DiskTier:
         #: False once writes failed for a reason the disk will not fix by itself.
         self.writable = True
         self.data_dir = self.directory / "data"
+        #: What the mount should tell the user about this directory.
+        self.warnings: list[str] = []
         try:
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._private_directories(group)
             # RocksDB locks its directory: a second mount on the same cache fails here.
             self.index = Rdict(str(self.directory / "index"), Options(raw_mode=True))
+        except UnsafePath as exc:
+            raise CacheDirError(f"cannot use cache directory {self.directory}: {exc}") from None
         except Exception as exc:  # rocksdict raises its own exception types
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             message = f"cannot use cache directory {self.directory}: {reason}"
@@ -124,15 +139,39 @@ class DiskTier:
 
     # --- startup ------------------------------------------------------------------------
 
+    def _private_directories(self, group: int | None) -> None:
+        """The cache holds a private bucket's bytes and key names: its directories are
+        the owner's (mode 0700), or with `group` readable by it (02750: new files take
+        the group). The directory the user named is left as it is, with a warning if it
+        is more open; the ones inside it are ours and made private."""
+        mode = 0o700 if group is None else 0o2750
+        top = self.directory
+        if not top.exists():
+            top.parent.mkdir(parents=True, exist_ok=True)
+            private_directory(top, mode, group=group)
+        else:
+            info = top.stat()
+            if info.st_uid != os.geteuid() and info.st_mode & 0o022:
+                raise UnsafePath(f"{top} belongs to uid {info.st_uid} and other users can "
+                                 "write to it")
+            if (opened := openness(top, mode)) is not None:
+                self.warnings.append(
+                    f"cache directory {top} is open to other users (mode {opened:04o}); its "
+                    f"contents are kept private, but run: chmod {mode & 0o777:o} {top}")
+        for sub in (self.data_dir, top / "chunks", top / "index"):
+            private_directory(sub, mode, group=group)
+
     def _load(self) -> None:
         found = self.index.get(FORMAT_KEY)
-        if found not in (None, b"1", b"2", FORMAT):
+        if found not in (None, *_OLDER_FORMATS, FORMAT):
             raise CacheDirError(f"{self.directory} holds a cache of another format; "
                                 "clear it with: bucketfs cache clear DIR")
+        if found in _OLDER_FORMATS:
+            self._start_afresh(found)
+            found = None
         identity = self.policy.identity().encode()
-        # Ranks saved by another policy (or format 1, which had none) are rebuilt.
-        rebuild = found == b"1" or (found is not None and
-                                    self.index.get(POLICY_KEY) != identity)
+        # Ranks saved by another policy are rebuilt.
+        rebuild = found is not None and self.index.get(POLICY_KEY) != identity
         saved = self.index.get(STATE_KEY)
         if saved is not None and len(saved) != _STATE.size:
             rebuild = True  # totals of an older layout: recount rather than misread them
@@ -152,6 +191,19 @@ class DiskTier:
             batch.delete(CHUNK_TOTALS_KEY)
             self.index.write(batch)
             self.index.flush_wal(True)
+
+    def _start_afresh(self, found: bytes) -> None:
+        """Drop everything a cache of an older format holds: its entries do not say the
+        span they hold, so none can be trusted to be the bytes a read needs."""
+        log.warning("cache: %s was written by an older bucketfs (format %s) whose entries "
+                    "do not name the block size that cut them; starting it afresh",
+                    self.directory, found.decode())
+        self.index.delete_range(b"\0", b"\xff" * 8)
+        self.index.flush_wal(True)
+        for directory in (self.data_dir, self.chunks.directory):
+            mode = stat.S_IMODE(directory.stat().st_mode)
+            shutil.rmtree(directory, ignore_errors=True)
+            private_directory(directory, mode)
 
     def _recover(self, rebuild: bool) -> None:
         """Recount the records (the last run did not close cleanly, or the ranks are
@@ -218,16 +270,12 @@ class DiskTier:
         return self.data_dir / name[:2] / name
 
     def _entry(self, block: BlockId) -> bytes:
-        return block.encode(self.namespace)
+        return entry_name(self.source, block, self.block_size)
 
     def _block(self, entry: bytes) -> BlockId | None:
-        """The block an entry of this tier's bucket names (the inverse of `_entry`)."""
-        text = entry.decode("utf-8", "surrogateescape")
-        prefix = self.namespace + "\0"
-        if not text.startswith(prefix):
-            return None
-        key, version, index = text[len(prefix):].rsplit("\0", 2)
-        return BlockId(key, version, int(index))
+        """The block an entry names, if it is one of this origin's blocks as this mount
+        cuts objects (the inverse of `_entry`)."""
+        return entry_block(entry, self.source, self.block_size)
 
     # --- reads --------------------------------------------------------------------------
 
@@ -248,15 +296,24 @@ class DiskTier:
         value = self.index.get(ENTRY + entry)
         if value is None:
             return None
+        span = entry_length(entry)
         packed = parse_packed(value)
         if packed is not None:
+            if packed.length != span:  # not the span this read needs: never its data
+                return self._mismatch(entry)
             found = self.chunks.read(entry, packed, ahead)
             if found is None:
                 return None
             data, following = found
-            return data, packed.cost, [(b, d, m.cost) for m, d in following
-                                       if (b := self._block(m.entry)) is not None]
-        length, crc, cost, _ = _parse_record(value)
+            return data, packed.cost, [
+                (b, d, m.cost) for m, d in following
+                if (b := self._block(m.entry)) is not None and len(d) == entry_length(m.entry)]
+        try:
+            length, crc, cost, _ = _parse_record(value)
+        except (ValueError, struct.error):
+            return self._mismatch(entry)
+        if length != span:
+            return self._mismatch(entry)
         data = self._read_verified(entry, length, crc)
         with self.lock:
             if data is None:
@@ -270,6 +327,18 @@ class DiskTier:
                 self._step_aside(exc)
         return data, cost, []
 
+    def _mismatch(self, entry: bytes) -> None:
+        """A record that does not hold the span its name says: drop it, a miss."""
+        log.warning("cache: %s: an index record does not match its entry's span; "
+                    "dropping it", self.directory)
+        with self.lock:
+            value = self.index.get(ENTRY + entry)
+            if value is not None and parse_packed(value) is None:
+                self._path(entry).unlink(missing_ok=True)
+            with contextlib.suppress(Exception):  # an index that takes no writes: a miss
+                self._forget(entry)
+        return None
+
     def packed_layout(self, block: BlockId) -> bytes | None:
         """The layout tag of the chunk holding the block, None if it is not packed."""
         value = self.index.get(ENTRY + self._entry(block))
@@ -278,7 +347,11 @@ class DiskTier:
 
     def write_chunk(self, blocks: list[tuple[BlockId, bytes, float]], layout: bytes) -> bool:
         """Pack these blocks, in this order, into one chunk file (chunks.py)."""
-        return self.chunks.write([(self._entry(b), d, c) for b, d, c in blocks], layout)
+        members = [(self._entry(b), d, c) for b, d, c in blocks]
+        for entry, data, _ in members:
+            if len(data) != entry_length(entry):
+                raise ValueError(f"{len(data)} bytes for a block of {entry_length(entry)}")
+        return self.chunks.write(members, layout)
 
     def _referenced(self, entry: bytes) -> None:
         # Read again under the lock: it may have been evicted or ranked anew meanwhile.
@@ -325,6 +398,8 @@ class DiskTier:
         entry = self._entry(block)
         if not self.writable or len(data) > self.capacity:
             return False
+        if len(data) != entry_length(entry):
+            raise ValueError(f"{len(data)} bytes for a block of {entry_length(entry)}")
         try:
             with self.lock:
                 if entry in self.writing or self.index.get(ENTRY + entry) is not None:
@@ -412,7 +487,7 @@ class DiskTier:
         """(rank key, name in the eviction order) of each version and block of `key`
         here: the block's entry, or the chunk it is packed in. The rank key is left
         empty: these names come from records that exist, so it is never needed."""
-        prefix = ENTRY + f"{self.namespace}\0{key}\0".encode("utf-8", "surrogateescape")
+        prefix = ENTRY + entry_key_prefix(self.source, key)
         found = []
         for name, value in prefixed(self.index, prefix):
             packed = parse_packed(value)
@@ -465,12 +540,6 @@ class DiskTier:
         else:
             log.warning("cache: cannot write a block to %s: %s", self.directory, exc)
 
-    def remove(self, block: BlockId) -> None:
-        entry = self._entry(block)
-        with self.lock:
-            if self._forget(entry) is not None:
-                self._path(entry).unlink(missing_ok=True)  # none if it was packed
-
     def close(self) -> None:
         with self.lock:
             try:
@@ -486,6 +555,8 @@ class DiskTier:
                 self.index.flush()
                 self.index.close()
             except Exception as exc:  # a full disk: what the WAL holds is recovered
-                log.warning("cache: could not save the index of %s on close: %s",
-                            self.directory, str(exc).splitlines()[0])
+                # Already said when the tier stepped aside: not a second warning.
+                log.log(logging.WARNING if self.writable else logging.INFO,
+                        "cache: could not save the index of %s on close: %s",
+                        self.directory, str(exc).splitlines()[0])
 

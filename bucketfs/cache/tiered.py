@@ -29,6 +29,7 @@ from bucketfs.backends.store import ObjectStore
 from bucketfs.cache.blocks import BlockId, ObjectRef, block_span
 from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
+from bucketfs.tasks import failed
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class BlockCache:
         self, store: ObjectStore, ram: RamTier, disk: DiskTier | None, *, block_size: int,
         nursery: trio.Nursery, disk_threads: int = 4, write_queue: int = 64 * 1024**2,
     ) -> None:
+        if disk is not None and disk.block_size != block_size:
+            raise ValueError(f"the SSD tier cuts {disk.block_size}-byte blocks, the cache "
+                             f"{block_size}-byte ones")
         self.store = store
         self.ram = ram
         self.disk = disk
@@ -76,7 +80,7 @@ class BlockCache:
 
     async def get(self, obj: ObjectRef, index: int) -> bytes:
         """The bytes of block `index` of that object version."""
-        block = BlockId(obj.key, obj.version, index)
+        block = BlockId(obj.key, obj.version, index, size=obj.size)
         while True:
             data = self.ram.get(block)
             if data is not None:
@@ -170,6 +174,8 @@ class BlockCache:
             if await trio.to_thread.run_sync(self.disk.put, block, data, cost,
                                              limiter=self.disk_limiter):
                 self.stats.disk_writes += 1
+        except Exception as exc:  # a bug in the SSD tier: the block stays a RAM block
+            failed("writing a block to the SSD tier", exc)
         finally:
             del self.writing[block]
             self.queued -= len(data)
