@@ -55,12 +55,6 @@ IDLE_ALLOWANCE = 96 * MiB
 #: Readers that can each wait on a block of their own miss at once: the DataLoader's two
 #: workers, job B, cat and dd.
 DEMAND_READERS = 5
-#: glibc raises its mmap threshold to the largest block freed, so after the first 4 MiB
-#: block is freed the next ones come from per-thread heaps that keep what is freed: with
-#: the default the peak RSS of this test varied from 195 to 284 MiB, with a fixed 256 KiB
-#: threshold from 147 to 151 MiB. The daemon is run with a fixed threshold so that the
-#: bound measures what bucketfs holds, not the allocator's hoarding.
-DAEMON_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * KiB)}
 
 
 def rss_bound(idle: int) -> int:
@@ -310,12 +304,13 @@ def test_every_reader_at_once(dataset: Dataset, tmp_path: Path) -> None:
     readahead_budget (16 MiB) + prefetch_budget (24 MiB) + one block (4 MiB) of a miss
     for each of the 5 readers = idle + 124 MiB, about 192 MiB. Measured peaks: 147-151
     MiB; 204 MiB with a RAM tier holding 134 MiB, which the bound catches. The daemon
-    runs with a fixed mmap threshold (DAEMON_ENV says why).
+    fixes glibc's mmap threshold itself (mount.py): without that, glibc's heaps kept
+    freed blocks and the peak varied from 195 to 284 MiB.
     """
     port = free_ports(1)[0]
     with mounted(dataset.url, tmp_path / "mnt", *MOUNT_ARGS, "--cache-dir",
                  str(tmp_path / "cache"), "--metrics-port", str(port),
-                 env={**dataset.env, **DAEMON_ENV}) as mnt:
+                 env=dataset.env) as mnt:
         root = mnt.resolve()
         pid = daemon_pid(str(root))
         assert pid is not None
