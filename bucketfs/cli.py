@@ -1,14 +1,18 @@
-"""The `bucketfs` command: mount, umount, cache stats|clear.
+"""The `bucketfs` command: mount, umount, check, cache stats|clear, hint.
 
 `bucketfs mount` without --foreground starts the daemon as a child process in its own
 session and waits on a pipe until the child reports the mount ready (exit 0) or
 reports the one-line reason it could not mount (exit 1). The child is the same command
-with --foreground, so both paths run the same code.
+with --foreground, so both paths run the same code. The options reach the child as JSON
+on a second pipe, not on its command line: `ps` shows every user the command line of
+every process, and an --endpoint-url may carry a user:password@.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import math
 import os
 import subprocess
@@ -19,7 +23,7 @@ from collections.abc import Sequence
 from bucketfs import __version__
 from bucketfs.backends.urls import BadUrl, parse_bucket_url
 from bucketfs.cache.admin import add_cache_commands, run_cache_command
-from bucketfs.config import OPTIONS, ConfigError, load_config
+from bucketfs.config import OPTIONS, OPTIONS_BY_NAME, ConfigError, load_config
 from bucketfs.hints.cli import add_arguments as add_hint_arguments
 from bucketfs.hints.cli import run as run_hint
 from bucketfs.private import UnsafePath, open_private_log
@@ -64,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--foreground", "-f", action="store_true",
                        help="stay in the foreground and log to stderr; Ctrl-C unmounts")
     mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    mount.add_argument("--options-fd", type=int, help=argparse.SUPPRESS)
     _add_option_flags(mount)
 
     umount = commands.add_parser(
@@ -74,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     umount.add_argument("--timeout", type=float, default=30.0,
                         help="seconds to wait for the daemon to exit (default 30)")
     add_cache_commands(commands)
+
+    check = commands.add_parser(
+        "check", help="check that a bucketfs mount answers (a readiness probe)",
+        description="Exit 0 if a bucketfs daemon answers at MOUNTPOINT, else 1 (not "
+                    "mounted, another filesystem, stale, or no answer in time); one line "
+                    "either way.",
+    )
+    check.add_argument("mountpoint", metavar="MOUNTPOINT")
+    check.add_argument("--timeout", type=float, default=5.0,
+                       help="seconds to wait for the daemon's answer (default 5)")
 
     hint = commands.add_parser(
         "hint", help="tell a mount the order in which files will be read",
@@ -92,14 +107,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_cache_command(args)
     if args.command == "hint":
         return run_hint(args)
+    if args.command == "check":
+        from bucketfs.check import run_check
+        return run_check(args.mountpoint, args.timeout)
     return cmd_umount(args)
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
+    """`bucketfs mount`, also run by mount.fuse.bucketfs (fstab.py) with the options it
+    read from -o set on `args`."""
     overrides = {o.name: value for o in OPTIONS if (value := getattr(args, o.name)) is not None}
     try:
         url = parse_bucket_url(args.url)
-        config = load_config(args.config, overrides)
+        if args.options_fd is not None:  # the daemon: its parent resolved them already
+            config = load_config(None, _read_options(args.options_fd))
+        else:
+            config = load_config(args.config, overrides)
     except (BadUrl, ConfigError) as exc:
         return _report(args, str(exc))
     if args.foreground:
@@ -125,9 +148,13 @@ def _mount_foreground(args: argparse.Namespace, url: object, config: object) -> 
     # then carry that group): a cached private bucket is not for every user of the node.
     os.umask(0o027 if config.cache_group else 0o077)  # type: ignore[attr-defined]
     try:
-        setup_logging(config.log_level, config.log_file)  # type: ignore[attr-defined]
+        setup_logging(config.log_level, config.log_file,  # type: ignore[attr-defined]
+                      config.log_format)  # type: ignore[attr-defined]
     except (UnsafePath, OSError) as exc:
         return _report(args, f"cannot write the log {config.log_file}: {exc}")  # type: ignore[attr-defined]
+    # Every resolved option, once, for whoever reads a debug log (redacted by the filter).
+    logging.getLogger(__name__).debug("bucketfs %s, pid %d, options: %s", __version__,
+                                      os.getpid(), _describe(config))
 
     def ready(warnings: list[str]) -> None:
         if args.ready_fd is not None:
@@ -152,16 +179,24 @@ def _spawn_daemon(args: argparse.Namespace, config: object) -> int:
     except (UnsafePath, OSError) as exc:
         return error(f"cannot write the log {log_file}: {exc}")
     read_end, write_end = os.pipe()
+    options_read, options_write = os.pipe()
     command = [*_child_argv(args), "--foreground", "--ready-fd", str(write_end),
-               "--log-file", log_file]
+               "--options-fd", str(options_read)]
     try:
         child = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            pass_fds=(write_end,), start_new_session=True,
+            pass_fds=(write_end, options_read), start_new_session=True,
         )
     finally:
         os.close(log)
+        os.close(options_read)
     os.close(write_end)
+    values = {**config.as_dict(), "log_file": log_file}  # type: ignore[attr-defined]
+    try:
+        with os.fdopen(options_write, "w") as pipe:
+            json.dump(values, pipe)  # inf (metadata_ttl = forever) goes as Infinity
+    except BrokenPipeError:
+        pass  # the child died first; its exit status is reported below
     with os.fdopen(read_end) as pipe:
         status = pipe.readline().strip()
         while status.startswith("warning: "):
@@ -178,18 +213,29 @@ def _spawn_daemon(args: argparse.Namespace, config: object) -> int:
 
 
 def _child_argv(args: argparse.Namespace) -> list[str]:
-    """The daemon's command line: this mount command, with every option it was given."""
-    command = [sys.executable, "-m", "bucketfs", "mount", args.url,
-               os.path.abspath(args.mountpoint)]
-    if args.config:
-        command += ["--config", os.path.abspath(args.config)]
-    for option in OPTIONS:
-        value = getattr(args, option.name)
-        if value is True:
-            command.append(option.flag)
-        elif value is not None and option.name != "log_file":
-            command += [option.flag, str(value)]
-    return command
+    """The daemon's command line: the URL (never holding credentials: parse_bucket_url
+    refuses them) and the mountpoint; the options go through --options-fd. -P: `-m`
+    would otherwise import a `bucketfs` directory in the current directory (a checkout,
+    or one planted there) instead of the installed package."""
+    return [sys.executable, "-P", "-m", "bucketfs", "mount", args.url,
+            os.path.abspath(args.mountpoint)]
+
+
+def _read_options(fd: int) -> dict[str, object]:
+    """The resolved options the parent wrote as JSON, read to the end."""
+    with os.fdopen(fd) as pipe:
+        try:
+            values = json.load(pipe)
+        except ValueError as exc:
+            raise ConfigError(f"unreadable options from the parent: {exc}") from None
+    if not isinstance(values, dict) or not set(values) <= set(OPTIONS_BY_NAME):
+        raise ConfigError("unreadable options from the parent: unknown names")
+    return values
+
+
+def _describe(config: object) -> str:
+    return " ".join(f"{name}={value}" for name, value in config.as_dict().items()  # type: ignore[attr-defined]
+                    if value is not None)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:

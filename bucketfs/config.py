@@ -196,6 +196,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("mount", "log_file", _optional_str, None,
            "where the daemon logs (default: ~/.local/state/bucketfs/<mountpoint>.log; "
            "stderr with --foreground)", None),
+    Option("mount", "log_format", _choice("text", "json"), "text",
+           "log line format: text, or json (one object per line with time, level, "
+           "logger and message, for a log collector)", '"text"'),
     Option("s3", "endpoint_url", _optional_str, None,
            "S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS)", None),
     Option("s3", "region", _optional_str, None,

@@ -1,16 +1,20 @@
 """Logging setup, with a filter that keeps credentials out of every line.
 
 The SDKs are quiet below WARNING; on top of that every record is scrubbed of the
-secret values found in the environment and of signature-bearing fragments
-(Authorization headers, presigned-URL query parameters).
+secret values found in the environment, of the user:password@ of any URL (an
+--endpoint-url may carry one) and of signature-bearing fragments (Authorization
+headers, presigned-URL query parameters). Lines are text, or one JSON object each
+(`--log-format json`) for a log collector.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import sys
+from datetime import UTC, datetime
 
 from bucketfs.private import open_private_log
 
@@ -22,6 +26,8 @@ _SECRET_PATTERNS = re.compile(
     r"(?i)(authorization[\"']?\s*[:=]\s*[\"']?)[^\"',\s]+(?:\s[^\"',\s]+)?"
     r"|((?:x-amz-)?(?:signature|credential|security-token)=)[^&\s\"']+"
     r"|(access_token[\"']?\s*[:=]\s*[\"']?)[^\"',\s]+"
+    # The userinfo of a URL: scheme://user:password@host (also a bare user@).
+    r"|([a-z][a-z0-9+.-]*://)[^/\s@\"']+@"
 )
 REDACTED = "<redacted>"
 
@@ -31,9 +37,14 @@ def redact(text: str, secrets: tuple[str, ...] | None = None) -> str:
         secrets = _env_secrets()
     for secret in secrets:
         text = text.replace(secret, REDACTED)
-    return _SECRET_PATTERNS.sub(
-        lambda m: (m.group(1) or m.group(2) or m.group(3) or "") + REDACTED, text
-    )
+    return _SECRET_PATTERNS.sub(_redacted, text)
+
+
+def _redacted(match: re.Match[str]) -> str:
+    lead = match.group(1) or match.group(2) or match.group(3)
+    if lead is not None:
+        return lead + REDACTED
+    return f"{match.group(4)}{REDACTED}@"  # a URL's userinfo
 
 
 def _env_secrets() -> tuple[str, ...]:
@@ -57,7 +68,24 @@ class RedactingFilter(logging.Filter):
         return True
 
 
-def setup_logging(level: str, log_file: str | None) -> None:
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (UTC, ISO 8601), level, logger, message. A
+    traceback is already part of the message (RedactingFilter), so it stays one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = datetime.fromtimestamp(record.created, UTC)
+        return json.dumps({
+            "time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }, ensure_ascii=False)
+
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(level: str, log_file: str | None, log_format: str = "text") -> None:
     handler: logging.Handler
     if log_file:
         # Opened without following a link, and only if it is our own file (private.py).
@@ -65,9 +93,8 @@ def setup_logging(level: str, log_file: str | None) -> None:
         handler = logging.StreamHandler(stream)
     else:
         handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
+    handler.setFormatter(JsonFormatter() if log_format == "json"
+                         else logging.Formatter(TEXT_FORMAT))
     handler.addFilter(RedactingFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

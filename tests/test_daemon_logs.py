@@ -1,0 +1,148 @@
+"""The daemon's logs and command line: JSON lines on request, --log-level obeyed, and no
+credential anywhere: not in a log line, not in the daemon's command line (`ps` shows it
+to every user), not in an endpoint's user:password@."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bucketfs.logs import REDACTED, JsonFormatter, RedactingFilter, redact
+from bucketfs.runtime import mounted as mount_entry
+from bucketfs.runtime import state_dir
+from tests.mounting import force_unmount, mounted, read_log
+
+SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzEXAMPLEKEY"
+ACCESS_KEY = "AKIAIOSFODNN7EXAMPLE"
+PASSWORD = "hunter2-endpoint-password"
+ENDPOINT = f"http://bob:{PASSWORD}@127.0.0.1:9/"
+
+
+# --- Redaction and formats -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    (f"cannot reach {ENDPOINT}", f"cannot reach http://{REDACTED}@127.0.0.1:9/"),
+    ('Could not connect to "https://AKIA:abc@s3.example.com/b"',
+     f'Could not connect to "https://{REDACTED}@s3.example.com/b"'),
+    ("key s3://bucket/user@example.com/x", "key s3://bucket/user@example.com/x"),  # a key
+    ("mail bob@example.com", "mail bob@example.com"),
+])
+def test_url_userinfo_is_redacted(text, shown):
+    assert redact(text, ()) == shown
+
+
+def record(message: str, *args: object, exc: bool = False) -> logging.LogRecord:
+    exc_info = None
+    if exc:
+        try:
+            raise ValueError(f"boom with {SECRET}")
+        except ValueError:
+            exc_info = sys.exc_info()
+    return logging.LogRecord("bucketfs.test", logging.WARNING, __file__, 1, message, args,
+                             exc_info)
+
+
+def test_json_lines_carry_level_logger_message_and_no_secret(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    scrub, formatter = RedactingFilter(), JsonFormatter()
+    entry = record("GET failed for %s via %s", "train/x.jpg", ENDPOINT, exc=True)
+    assert scrub.filter(entry)
+    line = formatter.format(entry)
+    assert "\n" not in line and SECRET not in line and PASSWORD not in line
+    data = json.loads(line)
+    assert data["level"] == "WARNING" and data["logger"] == "bucketfs.test"
+    assert data["message"].startswith("GET failed for train/x.jpg via http://<redacted>@")
+    assert "Traceback" in data["message"] and f"boom with {REDACTED}" in data["message"]
+    assert data["time"].endswith("Z")
+
+
+# --- The daemon ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    root = tmp_path / "bucket"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "f.txt").write_text("hello\n")
+    return root
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+@pytest.mark.fuse
+def test_daemon_command_line_holds_no_options_and_json_logs_parse(source, tmp_path):
+    cache = tmp_path / "cache"
+    log = tmp_path / "mnt.log"
+    env = {"AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ACCESS_KEY_ID": ACCESS_KEY}
+    with mounted(f"file://{source}", tmp_path / "mnt", "--endpoint-url", ENDPOINT,
+                 "--cache-dir", str(cache), "--log-level", "debug", "--log-format", "json",
+                 "--kernel-ttl", "7", env=env) as mnt:
+        assert (mnt / "d" / "f.txt").read_text() == "hello\n"
+        pid = int((state_dir(str(mnt)) / "pid").read_text())
+        argv = cmdline(pid)
+        # Only the URL and the mountpoint; the options came through a pipe.
+        assert argv[1:7] == ["-P", "-m", "bucketfs", "mount", f"file://{source}", str(mnt)]
+        assert argv[7:] == ["--foreground", "--ready-fd", argv[9], "--options-fd", argv[11]]
+        text = " ".join(argv)
+        for secret in (PASSWORD, "bob:", SECRET, ACCESS_KEY, "127.0.0.1:9"):
+            assert secret not in text, text
+        assert any(cache.iterdir()), "the options did not reach the daemon"
+    text = read_log(log)
+    for secret in (PASSWORD, SECRET, ACCESS_KEY):
+        assert secret not in text
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
+    messages = {line["message"]: line for line in lines}
+    options = next(m for m in messages if " options: " in m)
+    assert messages[options]["level"] == "DEBUG"
+    assert f"endpoint_url=http://{REDACTED}@127.0.0.1:9/" in options
+    assert f"cache_dir={cache}" in options and "kernel_ttl=7.0" in options
+    assert any(m.startswith("mounted ") and messages[m]["level"] == "INFO" for m in messages)
+    assert any(m.startswith("unmounted ") for m in messages)
+
+
+@pytest.mark.fuse
+def test_log_level_warning_leaves_out_info(source, tmp_path):
+    log = tmp_path / "mnt.log"
+    with mounted(f"file://{source}", tmp_path / "mnt", "--log-level", "warning") as mnt:
+        assert (mnt / "d" / "f.txt").read_text() == "hello\n"
+    assert read_log(log) == ""  # nothing went wrong: not one line
+
+
+@pytest.mark.fuse
+def test_foreground_logs_json_to_stderr(source, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "bucketfs", "mount", f"file://{source}", str(mnt),
+         "--foreground", "--log-format", "json", "--endpoint-url", ENDPOINT],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while mount_entry(str(mnt)) is None and time.monotonic() < deadline:
+            assert daemon.poll() is None, daemon.stderr.read() if daemon.stderr else ""
+            time.sleep(0.05)
+        assert (mnt / "d" / "f.txt").read_text() == "hello\n"
+        daemon.send_signal(signal.SIGTERM)
+        _, stderr = daemon.communicate(timeout=30)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+        force_unmount(mnt)
+    assert daemon.returncode == 0, stderr
+    lines = [json.loads(line) for line in stderr.splitlines()]
+    assert [line["level"] for line in lines] == ["INFO"] * len(lines)
+    assert any(line["message"].startswith("mounted ") for line in lines)
+    assert PASSWORD not in stderr
+    assert os.path.ismount(mnt) is False
