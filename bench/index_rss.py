@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import struct
 import subprocess
 import sys
 import tempfile
@@ -25,9 +24,19 @@ from pathlib import Path
 
 from rocksdict import Options, Rdict, WriteBatch
 
-from bucketfs.cache.blocks import BlockId, entry_name
-from bucketfs.cache.disk import CLOCK_KEY, ENTRY, FORMAT, FORMAT_KEY, POLICY_KEY, _record
-from bucketfs.cache.listings import Child, TreeIndex
+from bucketfs.cache.blocks import BlockId
+from bucketfs.cache.listings import TreeIndex
+from bucketfs.cache.schema import (
+    ENTRY,
+    FORMAT,
+    FORMAT_KEY,
+    POLICY_KEY,
+    BlockRecord,
+    DirEntry,
+    encode_block,
+    entry_name,
+    tree_space,
+)
 from bucketfs.prefetch.eviction import make_policy
 from bucketfs.runtime import state_dir
 
@@ -56,7 +65,6 @@ def main() -> int:
         started = time.perf_counter()
         index = Rdict(str(cache / "index"), Options(raw_mode=True))
         index[FORMAT_KEY] = FORMAT
-        index[CLOCK_KEY] = struct.pack("<d", float(args.entries))
         # A policy of another name: the open rebuilds every rank key from the records.
         index[POLICY_KEY] = b"rebuild"
         block_size = 4 * 1024**2
@@ -67,16 +75,17 @@ def main() -> int:
                                                   size=110_000), block_size)
             # Eviction state exactly as the default policy exports it.
             policy.admit(entry, 110_000, 0.01)
-            batch.put(ENTRY + entry, _record(110_000, i, 0.01, policy.export(entry)))
+            batch.put(ENTRY + entry, encode_block(
+                BlockRecord(110_000, i, 0.01, policy.export(entry))))
             policy.remove(entry)
             if len(batch) >= 50_000:
                 index.write(batch)
                 batch = WriteBatch(raw_mode=True)
         index.write(batch)
-        tree = TreeIndex(index, f"{namespace}\0")
-        tree.store(1, [Child("big", True, "big/"), Child("small.txt", False, "small.txt", 1)],
+        tree = TreeIndex(index, tree_space(namespace, ""))
+        tree.store(1, [DirEntry("big", True, "big/"), DirEntry("small.txt", False, "small.txt", 1)],
                    time.time())
-        tree.store(2, [Child(f"{i:09d}.jpg", False, f"big/{i:09d}.jpg", 110_000, 1,
+        tree.store(2, [DirEntry(f"{i:09d}.jpg", False, f"big/{i:09d}.jpg", 110_000, 1,
                              f"{i:032x}") for i in range(args.entries)], time.time())
         index.close()
         built = time.perf_counter() - started

@@ -16,7 +16,7 @@ Traces: shuffled (one job, multi-epoch), sweep (4 jobs on one dataset), mixed (t
 datasets from origins of different cost), skewed (weighted sampling with replacement),
 shift (skewed, hot set changes halfway), switch (one job's dataset, then another's).
 
-Hinted eviction (prefetch/future.py) is replayed next to them: `HintedPolicy` over
+Hinted eviction (prefetch/next_use.py) is replayed next to them: `HintedPolicy` over
 cost-lrfu (its --set parameters), told each job's order of an epoch when the epoch starts
 (as `HintSampler` does), its reader's position following the reads (each read is
 attributed to its job), the scheduler's window at 1/8 of the cache protecting the next
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bucketfs.prefetch.eviction import POLICIES, EvictionPolicy, make_policy
-from bucketfs.prefetch.future import HintedPolicy, NextUse
+from bucketfs.prefetch.next_use import HintedPolicy, NextUse
 from bucketfs.prefetch.scheduler import PrefetchScheduler
 
 FRACTIONS = (0.10, 0.25, 0.50, 0.75, 0.90)

@@ -3,7 +3,7 @@
     python -m bench.victim_cost [--files 20000] [--epochs 3] [--size 4096]
 
 Replays shuffled epochs over a real DiskTier (RocksDB index, block files on disk) whose
-capacity is half the files, as `tests/test_foresight.py` does at small scale: each
+capacity is half the files, as `tests/test_hinted_victims.py` does at small scale: each
 epoch's order goes to the scheduler first, every read is observed, a miss is stored.
 Times every call of `DiskTier._victim` (the choice only: not the unlink, not the index
 writes) and every `put` as a whole, with `HintedVictims` and with cost-lrfu alone.
@@ -24,9 +24,9 @@ from typing import Any
 
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.disk import DiskTier
-from bucketfs.cache.foresight import HintedVictims
+from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.prefetch.eviction import make_policy
-from bucketfs.prefetch.future import NextUse
+from bucketfs.prefetch.next_use import NextUse
 from bucketfs.prefetch.scheduler import PrefetchScheduler
 
 
@@ -38,7 +38,7 @@ def replay(directory: Path, orders: list[list[str]], size: int, hinted: bool
     plans = PrefetchScheduler(window_bytes=64 * size, budget_bytes=10**12)
     if hinted:
         future = NextUse(plans)
-        disk.foresight = HintedVictims(future.outlook, future.plans)
+        disk.hinted = HintedVictims(future.distance, future.plans)
     choices: list[float] = []
     choose = disk._victim
 

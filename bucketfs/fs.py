@@ -17,7 +17,8 @@ from typing import Any, TypeVar, cast
 import pyfuse3
 
 from bucketfs.backends.base import BackendError, VersionChanged
-from bucketfs.namespace import Namespace, Node
+from bucketfs.cache.schema import DirEntry
+from bucketfs.namespace import Namespace
 from bucketfs.reader import OpenFile, Reader
 
 log = logging.getLogger(__name__)
@@ -79,11 +80,11 @@ class Operations(pyfuse3.Operations):
         self.uid = uid
         self.gid = gid
         self.kernel_ttl = kernel_ttl
-        self.handles: dict[int, tuple[Node, OpenFile]] = {}
+        self.handles: dict[int, tuple[DirEntry, OpenFile]] = {}
         self.dir_handles: dict[int, _DirCursor] = {}
         self._next_fh = 1
 
-    def _attributes(self, node: Node) -> pyfuse3.EntryAttributes:
+    def _attributes(self, node: DirEntry) -> pyfuse3.EntryAttributes:
         attrs = pyfuse3.EntryAttributes()
         attrs.st_ino = node.inode
         attrs.generation = 0

@@ -41,7 +41,7 @@ from bucketfs.backends.urls import BucketUrl
 from bucketfs.cache.admin import save_counters
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.disk import CacheDirError, CacheDirUnwritable, DiskTier
-from bucketfs.cache.foresight import HintedVictims
+from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config
@@ -51,7 +51,7 @@ from bucketfs.hints_server import HintsServerError, serve_hints
 from bucketfs.metrics import build_registry, start_metrics_server
 from bucketfs.namespace import Namespace
 from bucketfs.prefetch.eviction import EvictionPolicy, make_policy
-from bucketfs.prefetch.future import HintedPolicy, NextUse
+from bucketfs.prefetch.next_use import HintedPolicy, NextUse
 from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.private import UnsafePath
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
@@ -240,10 +240,10 @@ async def _serve_namespace(
         if config.prefetch_window > 0:
             prefetch = hinted_prefetch(namespace, config)
             # Evict what the plans read farthest ahead; unhinted blocks by the policy.
-            future = NextUse(prefetch.scheduler)
-            ram_policy = HintedPolicy(ram_policy, future, key_of=_file_of_block)
+            next_use = NextUse(prefetch.scheduler)
+            ram_policy = HintedPolicy(ram_policy, next_use, key_of=_file_of_block)
             if disk is not None:  # the SSD tier too, from a few candidates per victim
-                disk.foresight = HintedVictims(future.outlook, future.plans)
+                disk.hinted = HintedVictims(next_use.distance, next_use.plans)
         cache = BlockCache(
             store, RamTier(config.ram_cache, ram_policy),
             disk, block_size=config.block_size, nursery=nursery,

@@ -3,7 +3,7 @@
 Owns inode numbers and the listing of each directory. A directory is listed lazily
 (the first lookup or readdir inside it), all pages at once, and the result is kept
 for `metadata_ttl` seconds (by default for the life of the cache). The entries live in
-a RocksDB index (cache/listings.py), not in Python objects: a `Node` is a view made for
+a RocksDB index (cache/listings.py), not in Python objects: a `DirEntry` is a view made for
 one request. With a cache directory that index is the cache's, so a remount reuses the
 listings and the inode numbers; without one it is a temporary index deleted at
 unmount. Inodes are never reused, so a kernel that remembers one always finds the same
@@ -18,6 +18,7 @@ Rules for keys that do not map cleanly onto a POSIX tree (see docs/ARCHITECTURE.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -26,14 +27,14 @@ import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import trio
 from rocksdict import Options, Rdict
 
 from bucketfs.backends.base import ListPage, NotFound
 from bucketfs.backends.store import ObjectStore
-from bucketfs.cache.listings import ROOT_INODE, Child, IndexUnwritable, Record, TreeIndex
+from bucketfs.cache.listings import ROOT_INODE, IndexUnwritable, TreeIndex
+from bucketfs.cache.schema import DirEntry, tree_space
 from bucketfs.runtime import scratch_root
 
 log = logging.getLogger(__name__)
@@ -41,20 +42,6 @@ log = logging.getLogger(__name__)
 NAME_MAX = 255
 #: Old inodes remembered for the kernel (see Namespace._retired).
 RETIRED = 65_536
-
-
-@dataclass(slots=True)
-class Node:
-    inode: int
-    parent: int
-    name: str
-    is_dir: bool
-    #: The object key for a file; the prefix (ending in "/", or "" at the bucket root) for
-    #: a directory.
-    key: str
-    size: int = 0
-    mtime_ns: int = 0
-    version: str = ""
 
 
 def scratch_tree_dir() -> str:
@@ -107,7 +94,7 @@ class Namespace:
             self._temporary = scratch_tree_dir()
             index = Rdict(self._temporary, Options(raw_mode=True))
         self.index = index
-        self.tree = TreeIndex(index, f"{space}\0{root_prefix}")
+        self.tree = TreeIndex(index, tree_space(space, root_prefix))
         self._warned: set[str] = set()
         self._listing: dict[int, trio.Event] = {}
         self.on_gone = on_gone
@@ -116,8 +103,8 @@ class Namespace:
         #: forgets them, so a handle's fstat still works and its reads stay on its
         #: version. At most RETIRED of them (a re-listing can retire a whole directory
         #: the kernel never looked at); past that an old inode's getattr is ENOENT.
-        self._retired: OrderedDict[int, Node] = OrderedDict()
-        self.root = Node(inode=ROOT_INODE, parent=ROOT_INODE, name="", is_dir=True,
+        self._retired: OrderedDict[int, DirEntry] = OrderedDict()
+        self.root = DirEntry(inode=ROOT_INODE, parent=ROOT_INODE, name="", is_dir=True,
                          key=root_prefix, mtime_ns=self.mount_time_ns)
 
     def close(self) -> None:
@@ -128,39 +115,39 @@ class Namespace:
 
     # --- entries ------------------------------------------------------------------------
 
-    def _node(self, parent: int, name: str, record: Record) -> Node:
-        return Node(record.inode, parent, name, record.is_dir, record.key, record.size,
-                    record.mtime_ns if not record.is_dir else self.mount_time_ns,
-                    record.version)
+    def _view(self, entry: DirEntry) -> DirEntry:
+        """An entry as the kernel sees it: directories carry the mount's time."""
+        if entry.is_dir and entry.mtime_ns != self.mount_time_ns:
+            return dataclasses.replace(entry, mtime_ns=self.mount_time_ns)
+        return entry
 
-    def get(self, inode: int) -> Node:
+    def get(self, inode: int) -> DirEntry:
         """Raises KeyError for an inode this tree does not hold."""
         if inode == ROOT_INODE:
             return self.root
         where = self.tree.locate(inode)
-        record = self.tree.child(*where) if where is not None else None
-        if record is None or record.inode != inode:
+        entry = self.tree.child(*where) if where is not None else None
+        if entry is None or entry.inode != inode:
             retired = self._retired.get(inode)
             if retired is None:
                 raise KeyError(inode)
             return retired
-        return self._node(where[0], where[1], record)
+        return self._view(entry)
 
     def forget(self, inode: int) -> None:
         """The kernel holds the inode no more."""
         self._retired.pop(inode, None)
 
-    def _gone(self, parent: int, entries: list[tuple[str, Record]], *,
-              tell: bool = False) -> None:
+    def _gone(self, entries: list[DirEntry], *, tell: bool = False) -> None:
         """Names that stopped naming their inodes: retire the inodes; with `tell`, tell
         `on_gone` (after a re-listing the kernel's TTL, never longer than the
         listing's, lets the kernel find out by itself)."""
-        for name, record in entries:
-            self._retired[record.inode] = self._node(parent, name, record)
+        for entry in entries:
+            self._retired[entry.inode] = self._view(entry)
             if len(self._retired) > RETIRED:
                 self._retired.popitem(last=False)
             if tell and self.on_gone is not None:
-                self.on_gone(parent, name)
+                self.on_gone(entry.parent, entry.name)
 
     @property
     def known_bytes(self) -> int:
@@ -170,25 +157,24 @@ class Namespace:
     def known_files(self) -> int:
         return self.tree.known_files
 
-    async def lookup(self, parent: int, name: str) -> Node | None:
+    async def lookup(self, parent: int, name: str) -> DirEntry | None:
         directory = self.get(parent)
         if not directory.is_dir:
             return None
         await self._listed(directory)
-        record = self.tree.child(parent, name)
-        return None if record is None else self._node(parent, name, record)
+        entry = self.tree.child(parent, name)
+        return None if entry is None else self._view(entry)
 
-    async def entries(self, inode: int, after: str | None = None) -> Iterator[Node]:
+    async def entries(self, inode: int, after: str | None = None) -> Iterator[DirEntry]:
         """A directory's entries in name order, from the first name after `after`."""
         await self._listed(self.get(inode))
-        return (self._node(inode, name, record)
-                for name, record in self.tree.children(inode, after))
+        return (self._view(entry) for entry in self.tree.children(inode, after))
 
-    async def children(self, inode: int) -> list[Node]:
+    async def children(self, inode: int) -> list[DirEntry]:
         """All entries of a directory, sorted by name (small directories and tests)."""
         return list(await self.entries(inode))
 
-    async def refresh(self, node: Node) -> None:
+    async def refresh(self, node: DirEntry) -> None:
         """A read found that `node`'s version is gone from the bucket: look the object
         up again. A new version gets a new inode (the kernel's pages of the old inode
         hold the old version, which handles opened on it go on reading or fail); a
@@ -199,15 +185,14 @@ class Namespace:
         try:
             info = await self.store.head(node.key)
         except NotFound:
-            removed = self.tree.remove(node.parent, node.name)
-            if removed is not None:
-                self._gone(node.parent, [(node.name, removed)], tell=True)
+            if self.tree.remove(current):
+                self._gone([current], tell=True)
             return
         if info.version == current.version:
             return
-        self.tree.replace(node.parent, node.name, Record(
-            0, False, node.key, info.size, info.mtime_ns, info.version, current.stamp))
-        self._gone(node.parent, [(node.name, current)], tell=True)
+        self.tree.replace(current, DirEntry(node.name, False, node.key, info.size,
+                                            info.mtime_ns, info.version))
+        self._gone([current], tell=True)
 
     def forget_listings(self) -> None:
         self.tree.forget_listings()
@@ -217,11 +202,11 @@ class Namespace:
 
     # --- listing ------------------------------------------------------------------------
 
-    def _fresh(self, directory: Node) -> bool:
+    def _fresh(self, directory: DirEntry) -> bool:
         listed_at = self.tree.listed_at(directory.inode)
         return listed_at is not None and self.clock() - listed_at < self.metadata_ttl
 
-    async def _listed(self, directory: Node) -> None:
+    async def _listed(self, directory: DirEntry) -> None:
         # Single-flight: concurrent lookups in an unlisted directory share one listing. A
         # listing this call made or waited for is fresh enough for it, whatever the TTL
         # (with metadata_ttl 0 it would otherwise list forever).
@@ -240,7 +225,7 @@ class Namespace:
                 del self._listing[directory.inode]
             return
 
-    async def _list(self, directory: Node) -> None:
+    async def _list(self, directory: DirEntry) -> None:
         """List a directory into the tree page by page: one page in memory at a time
         however large the directory, each stored from a worker thread."""
         listed_at = self.clock()
@@ -253,24 +238,23 @@ class Namespace:
                     for key in changes.hidden:
                         self._warn_once(key, f"object {key!r} is hidden by the directory "
                                              f"{key + '/'!r} of the same name")
-                    self._gone(directory.inode, changes.gone)
-                gone = await trio.to_thread.run_sync(self.tree.finish, listing, listed_at)
-                self._gone(directory.inode, gone)
+                    self._gone(changes.gone)
+                self._gone(await trio.to_thread.run_sync(self.tree.finish, listing, listed_at))
                 return
             except IndexUnwritable:
                 if in_memory:
                     raise
                 # The index stopped taking writes: list it again, into memory.
 
-    def _children(self, directory: Node, page: ListPage) -> list[Child]:
+    def _children(self, directory: DirEntry, page: ListPage) -> list[DirEntry]:
         """The entries one page of a listing names (a prefix and an object of one name
         may come on different pages: the tree settles that)."""
-        children: list[Child] = []
+        children: list[DirEntry] = []
         prefix_len = len(directory.key)
         for prefix in page.prefixes:
             name = prefix[prefix_len:-1]
             if self._acceptable(prefix, name):
-                children.append(Child(name, True, prefix))
+                children.append(DirEntry(name, True, prefix))
         for info in page.objects:
             if info.key == directory.key:
                 continue  # the directory's own "dir/" marker object
@@ -278,10 +262,10 @@ class Namespace:
             if name.endswith("/"):
                 name = name[:-1]  # an empty marker reported as an object
                 if self._acceptable(info.key, name):
-                    children.append(Child(name, True, info.key))
+                    children.append(DirEntry(name, True, info.key))
                 continue
             if self._acceptable(info.key, name):
-                children.append(Child(name, False, info.key, info.size, info.mtime_ns,
+                children.append(DirEntry(name, False, info.key, info.size, info.mtime_ns,
                                       info.version))
         return children
 

@@ -200,11 +200,12 @@ class ChunkPacking:
             queued = self.cache.writing.get(block)
             if queued is not None:  # on its way to SSD
                 return queued
-            if block in self.disk:
+            if self.disk.holds(block):
                 held = self.cache.held(block)
                 if held is None:
-                    held = await trio.to_thread.run_sync(self.disk.get, block,
-                                                         limiter=self.cache.disk_limiter)
+                    found = await trio.to_thread.run_sync(self.disk.get, block,
+                                                          limiter=self.cache.disk_limiter)
+                    held = None if found is None else found[:2]
                 return held
             if self.cache.held(block) is not None or trio.current_time() >= deadline:
                 return None  # read, and not stored on SSD; or not read in time

@@ -44,9 +44,10 @@ import trio
 from bucketfs.backends.base import BackendError
 from bucketfs.backends.common import one_line
 from bucketfs.cache.blocks import BlockId, ObjectRef
+from bucketfs.cache.schema import DirEntry
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.hints.protocol import Order
-from bucketfs.namespace import Namespace, Node
+from bucketfs.namespace import Namespace
 from bucketfs.packer import ChunkPacking, layout_tag
 from bucketfs.prefetch.packing import NextPlan
 from bucketfs.prefetch.scheduler import AdaptiveConcurrency, PrefetchScheduler, PrefetchStats
@@ -384,7 +385,7 @@ class HintedPrefetch:
                 await trio.sleep(0)  # FUSE requests are served between slices
         return resolved
 
-    async def _lookup(self, parent: int, name: str) -> Node | None:
+    async def _lookup(self, parent: int, name: str) -> DirEntry | None:
         try:
             return await self.namespace.lookup(parent, name)
         except KeyError:  # the directory's inode went with a re-listing

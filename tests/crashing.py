@@ -24,17 +24,22 @@ from pathlib import Path
 
 from rocksdict import AccessType, Options, Rdict
 
-from bucketfs.cache.chunks import (
-    _TOTALS,
+from bucketfs.cache.chunk_files import DATA_START
+from bucketfs.cache.disk import block_file_name
+from bucketfs.cache.schema import (
     CHUNK,
     CHUNK_TOTALS_KEY,
-    DATA_START,
     ENTRY,
-    parse_chunk,
-    parse_packed,
+    RANK,
+    RECENCY,
+    STATE_KEY,
+    chunk_of_key,
+    decode_block,
+    decode_chunk,
+    decode_chunk_totals,
+    decode_packed,
+    decode_state,
 )
-from bucketfs.cache.disk import _STATE, STATE_KEY, DiskTier, _parse_record
-from bucketfs.cache.ranking import RANK, RECENCY
 from bucketfs.hints import HintError, send_next_order, send_order
 from bucketfs.runtime import daemon_pid
 from tests.mounting import bucketfs, expected_tree, force_unmount, read_log, tree
@@ -77,7 +82,7 @@ class Plan:
     readers: int
     #: Keys per LIST: small pages keep listings in flight for longer.
     page_size: int
-    #: The eviction phase: with hints (foresight victims, packing under pressure).
+    #: The eviction phase: with hints (hinted victims, packing under pressure).
     hinted: bool
     #: The SSD budget (--disk-cache); None: the default, far above the dataset.
     budget: int | None
@@ -362,23 +367,23 @@ def _index_facts(cache: Path) -> CacheFacts:
     try:
         saved = index.get(STATE_KEY)
         assert saved is not None, "no totals saved: the last unmount was not clean"
-        used = _STATE.unpack(saved)[2]
+        used = decode_state(saved).used
         blocks: set[str] = set()
         block_bytes = 0
         live: dict[int, int] = {}
         packed_at: dict[bytes, tuple[int, int, int]] = {}
         for key, value in _keys(index, ENTRY):
-            packed = parse_packed(value)
+            packed = decode_packed(value)
             if packed is None:
-                block_bytes += _parse_record(value)[0]
-                blocks.add(DiskTier._file_name(key[1:]))
+                block_bytes += decode_block(value).length
+                blocks.add(block_file_name(key[1:]))
             else:
                 live[packed.chunk] = live.get(packed.chunk, 0) + packed.length
                 packed_at[key[1:]] = (packed.chunk, packed.offset, packed.length)
         chunks: dict[int, tuple[int, int]] = {}
         for key, value in _keys(index, CHUNK):
-            chunk = int.from_bytes(key[1:], "big")
-            record = parse_chunk(value)
+            chunk = chunk_of_key(key)
+            record = decode_chunk(value)
             chunks[chunk] = (record.size, record.live)
             assert record.live == live.get(chunk, 0) > 0, \
                 f"chunk {chunk}: {record.live} live bytes, its members hold {live.get(chunk)}"
@@ -390,7 +395,7 @@ def _index_facts(cache: Path) -> CacheFacts:
         assert used == block_bytes + sum(s for s, _ in chunks.values()), \
             f"saved used {used} != {block_bytes} in blocks + chunks {chunks}"
         totals = index.get(CHUNK_TOTALS_KEY)
-        assert totals is None or _TOTALS.unpack(totals) == (
+        assert totals is None or decode_chunk_totals(totals) == (
             len(chunks), sum(s for s, _ in chunks.values()), sum(v for _, v in chunks.values()))
         ranked = len(blocks) + len(chunks)
         ranks = sum(1 for _ in _keys(index, RANK))

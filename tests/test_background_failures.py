@@ -75,10 +75,10 @@ class BrokenDisk:
     block_size = 4 * MiB
     writable = True
 
-    def __contains__(self, block):
+    def holds(self, block):
         return False
 
-    def get_run(self, block, ahead):
+    def get(self, block, ahead=0):
         return None
 
     def put(self, block, data, cost):

@@ -14,9 +14,10 @@ from rocksdict import Options, Rdict
 
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
-from bucketfs.cache.blocks import BlockId, ObjectRef, block_span, entry_block, entry_name
-from bucketfs.cache.disk import STATE_KEY, DiskTier
+from bucketfs.cache.blocks import BlockId, ObjectRef, block_span
+from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
+from bucketfs.cache.schema import STATE_KEY, entry_block, entry_name
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.prefetch.eviction import make_policy
 from tests.membackend import MemoryBackend

@@ -25,7 +25,8 @@ from bucketfs.cache.admin import (
 )
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.disk import DiskTier
-from bucketfs.cache.listings import Child, TreeIndex
+from bucketfs.cache.listings import TreeIndex
+from bucketfs.cache.schema import DirEntry, tree_space
 from bucketfs.prefetch.eviction import make_policy
 
 KiB, MiB = 1024, 1024**2
@@ -76,9 +77,9 @@ def test_stats_counts_saved_listings(tmp_path):
     directory = tmp_path / "cache"
     populate(directory)
     disk = open_tier(directory)
-    tree = TreeIndex(disk.index, "mem://bucket\0")
-    tree.store(1, [Child("img", True, "img/")], listed_at=0.0)
-    tree.store(2, [Child("0.jpg", False, "img/0.jpg", 10, 0, "v1")], listed_at=0.0)
+    tree = TreeIndex(disk.index, tree_space("mem://bucket", ""))
+    tree.store(1, [DirEntry("img", True, "img/")], listed_at=0.0)
+    tree.store(2, [DirEntry("0.jpg", False, "img/0.jpg", 10, 0, "v1")], listed_at=0.0)
     disk.close()
     stats = cache_stats(directory)
     assert stats["listings"] == 2 and stats["entries"] == 5

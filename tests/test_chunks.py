@@ -19,9 +19,10 @@ from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
 from bucketfs.cache import admin
 from bucketfs.cache.blocks import BlockId, ObjectRef
-from bucketfs.cache.chunks import DATA_START
-from bucketfs.cache.disk import STATE_KEY, DiskTier
+from bucketfs.cache.chunk_files import DATA_START
+from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
+from bucketfs.cache.schema import STATE_KEY
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.packer import ChunkPacking, layout_tag
 from bucketfs.prefetch.eviction import make_policy
@@ -85,7 +86,7 @@ def test_packing_moves_block_files_into_one_chunk_and_reads_are_exact(tmp_path):
     assert not block_files(directory) and len(chunk_files(directory)) == 1
     assert (disk.chunks.count, disk.chunks.live_bytes) == (1, used)
     for block, data in blocks.items():
-        assert disk.get(block) == (data, 0.01)
+        assert disk.get(block)[:2] == (data, 0.01)
         assert disk.packed_layout(block) == LAYOUT_A
     # A write-through that comes after the packing finds the entry stored.
     first = next(iter(blocks))
@@ -104,18 +105,18 @@ def test_a_pass_over_a_chunk_reads_the_members_after_it_in_the_same_pread(tmp_pa
     ordered = list(blocks)
     disk = open_tier(tmp_path / "cache")
     assert pack(disk, blocks)
-    data, cost, following = disk.get_run(ordered[0], 10 * MiB)
+    data, cost, following = disk.get(ordered[0], 10 * MiB)
     assert data == blocks[ordered[0]] and cost == 0.01
     assert [(b, d) for b, d, _ in following] == [(b, blocks[b]) for b in ordered[1:]]
     assert disk.chunks.reads == 1
     # A read in the middle that continues no pass reads only itself ...
     forget_reads(disk)
-    assert disk.get_run(ordered[3], 10 * MiB)[2] == []
+    assert disk.get(ordered[3], 10 * MiB)[2] == []
     # ... one that continues where the last read stopped takes the next ones, within
     # the limit given.
     limit = len(blocks[ordered[5]])
-    assert [b for b, _, _ in disk.get_run(ordered[4], limit)[2]] == [ordered[5]]
-    assert disk.get_run(ordered[0], 0)[2] == []
+    assert [b for b, _, _ in disk.get(ordered[4], limit)[2]] == [ordered[5]]
+    assert disk.get(ordered[0], 0)[2] == []
     disk.close()
 
 
@@ -137,15 +138,15 @@ def test_readers_of_members_a_pass_covers_share_its_pread(tmp_path, monkeypatch)
 
     monkeypatch.setattr(os, "pread", slow_pread)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        first = pool.submit(disk.get_run, ordered[0], 10 * MiB)
+        first = pool.submit(disk.get, ordered[0], 10 * MiB)
         while not data_reads:
             threading.Event().wait(0.01)
-        second = pool.submit(disk.get_run, ordered[2], 10 * MiB)
+        second = pool.submit(disk.get, ordered[2], 10 * MiB)
         threading.Event().wait(0.1)
         gate.set()
         assert first.result()[0] == blocks[ordered[0]]
         assert second.result() == (blocks[ordered[2]], 0.01, [])
-    assert disk.get(ordered[4]) == (blocks[ordered[4]], 0.01)  # from the pass just done
+    assert disk.get(ordered[4])[:2] == (blocks[ordered[4]], 0.01)  # from the pass just done
     assert len(data_reads) == 1 and disk.chunks.reads == 1
     monkeypatch.undo()
     disk.close()
@@ -163,18 +164,18 @@ def test_damaged_chunks_are_misses_never_wrong_bytes(tmp_path):
     raw[second + 5] ^= 0xFF  # a flipped bit in the second member
     path.write_bytes(bytes(raw))
     forget_reads(disk)
-    data, _, following = disk.get_run(ordered[0], 10 * MiB)
+    data, _, following = disk.get(ordered[0], 10 * MiB)
     assert data == blocks[ordered[0]]
     assert [b for b, _, _ in following] == ordered[2:]  # the damaged one left out
-    assert disk.get(ordered[1]) is None and ordered[1] not in disk  # its record dropped
-    assert disk.get(ordered[2]) == (blocks[ordered[2]], 0.01)
+    assert disk.get(ordered[1]) is None and not disk.holds(ordered[1])  # its record dropped
+    assert disk.get(ordered[2])[:2] == (blocks[ordered[2]], 0.01)
     assert disk.chunks.live_bytes == sum(len(blocks[b]) for b in ordered if b != ordered[1])
     # A file that is not the chunk its name says: the whole chunk goes.
     raw[:6] = b"XXXXXX"
     path.write_bytes(bytes(raw))
     forget_reads(disk)
     assert disk.get(ordered[3]) is None
-    assert all(b not in disk for b in ordered) and not path.exists()
+    assert all(not disk.holds(b) for b in ordered) and not path.exists()
     assert totals(disk) == (0, 0, 0, 0)
     disk.close()
 
@@ -191,11 +192,11 @@ def test_whole_chunks_are_evicted_within_the_budget(tmp_path):
     assert disk.evictions > 0
     assert len(chunk_files(directory)) == disk.chunks.count < 6
     for blocks in written:  # a chunk is kept or evicted whole
-        held = [disk.get(b) == (d, 0.01) for b, d in blocks.items()]
+        held = [(disk.get(b) or (None, None))[:2] == (d, 0.01) for b, d in blocks.items()]
         assert all(held) or not any(held)
-    assert all(b in disk for b in written[-1])
+    assert all(disk.holds(b) for b in written[-1])
     assert disk.used == disk.chunks.data_bytes == sum(
-        len(d) for blocks in written for b, d in blocks.items() if b in disk)
+        len(d) for blocks in written for b, d in blocks.items() if disk.holds(b))
     disk.close()
 
 
@@ -218,7 +219,7 @@ def test_emptied_chunks_are_reclaimed_and_a_layout_is_not_written_twice(tmp_path
     assert disk.chunks.count == 2 and len(chunk_files(directory)) == 2  # the old one gone
     assert totals(disk) == (full, 2, full, full)
     for block, data in blocks.items():
-        assert disk.get(block) == (data, 0.01) and disk.packed_layout(block) == LAYOUT_B
+        assert disk.get(block)[:2] == (data, 0.01) and disk.packed_layout(block) == LAYOUT_B
     disk.close()
 
 
@@ -239,7 +240,7 @@ def test_reopen_counts_the_same_after_a_clean_close_or_a_crash(tmp_path, crashed
     again = open_tier(directory, capacity=4 * MiB)
     assert totals(again) == before
     for block, data in {**loose, **packed}.items():
-        assert again.get(block) == (data, 0.01)
+        assert again.get(block)[:2] == (data, 0.01)
     assert pack(again, files(3, seed=2))  # ids go on after the ones in use
     assert again.chunks.count == 3 and len(chunk_files(directory)) == 3
     again.close()
@@ -255,7 +256,7 @@ def test_another_policy_rebuilds_the_chunks_ranks_too(tmp_path):
     assert again.chunks.count == 1 and again.used == sum(map(len, old.values()))
     assert pack(again, files(8, seed=2)) and pack(again, files(8, seed=3))
     assert again.evictions >= 1 and again.used <= again.capacity
-    assert all(b not in again for b in old)  # the oldest chunk went, whole
+    assert all(not again.holds(b) for b in old)  # the oldest chunk went, whole
     again.close()
 
 
@@ -300,7 +301,7 @@ def test_startup_after_a_crash_sweeps_unindexed_chunks_and_drops_lost_ones(tmp_p
     assert [p.name for p in chunk_files(directory)] == [chunk_files(directory)[0].name]
     assert len(os.listdir(directory / "chunks")) == 1
     assert totals(again) == (sum(map(len, kept.values())), 1, *[sum(map(len, kept.values()))] * 2)
-    assert all(b not in again for b in lost) and all(b in again for b in kept)
+    assert all(not again.holds(b) for b in lost) and all(again.holds(b) for b in kept)
     again.close()
 
 
@@ -324,7 +325,7 @@ def test_a_crash_before_the_index_leaves_no_trace(tmp_path, monkeypatch):
     assert not chunk_files(directory) and len(block_files(directory)) == 4
     assert again.used == sum(map(len, blocks.values())) and again.chunks.count == 0
     for block, data in blocks.items():
-        assert again.get(block) == (data, 0.01)
+        assert again.get(block)[:2] == (data, 0.01)
     again.close()
 
 
@@ -340,7 +341,7 @@ def test_concurrent_reads_packing_and_eviction_never_return_wrong_bytes(tmp_path
         rng, hits = random.Random(seed), 0
         while not stop.is_set():
             block = rng.choice(list(everything))
-            found = disk.get_run(block, 2 * MiB)
+            found = disk.get(block, 2 * MiB)
             if found is None:
                 continue
             hits += 1

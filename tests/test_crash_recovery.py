@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from rocksdict import Options, Rdict
 
-from bucketfs.cache.listings import ROOT_INODE, Child, TreeIndex
+from bucketfs.cache.listings import ROOT_INODE, TreeIndex
+from bucketfs.cache.schema import DirEntry, tree_space
 
-SPACE = "s3://bucket via http://127.0.0.1:1\0"
+SPACE = tree_space("s3://bucket via http://127.0.0.1:1", "")
 
 
 def open_index(path) -> Rdict:
@@ -23,20 +24,20 @@ def test_inodes_of_a_listing_cut_short_are_never_handed_out_again(tmp_path):
     index = open_index(tmp_path / "index")
     tree = TreeIndex(index, SPACE)
     root = tree.begin(ROOT_INODE)
-    tree.add_page(root, [Child("a", True, "a/"), Child("b", True, "b/")])
+    tree.add_page(root, [DirEntry("a", True, "a/"), DirEntry("b", True, "b/")])
     tree.finish(root, 1.0)
     a, b = tree.child(ROOT_INODE, "a").inode, tree.child(ROOT_INODE, "b").inode
     cut = tree.begin(a)
-    tree.add_page(cut, [Child("x", False, "a/x", size=10, version="v1")])
+    tree.add_page(cut, [DirEntry("x", False, "a/x", size=10, version="v1")])
     index.close()  # killed before the listing of a/ finished
 
     index = open_index(tmp_path / "index")
     tree = TreeIndex(index, SPACE)
     listing = tree.begin(b)
-    tree.add_page(listing, [Child("y", False, "b/y", size=20, version="v2")])
+    tree.add_page(listing, [DirEntry("y", False, "b/y", size=20, version="v2")])
     tree.finish(listing, 2.0)
     listing = tree.begin(a)  # a/ was never listed to the end: listed again
-    tree.add_page(listing, [Child("x", False, "a/x", size=10, version="v1")])
+    tree.add_page(listing, [DirEntry("x", False, "a/x", size=10, version="v1")])
     tree.finish(listing, 2.0)
     x, y = tree.child(a, "x"), tree.child(b, "y")
     assert x.inode != y.inode
@@ -52,18 +53,18 @@ def test_stamps_of_a_listing_cut_short_are_never_reused(tmp_path):
     index = open_index(tmp_path / "index")
     tree = TreeIndex(index, SPACE)
     root = tree.begin(ROOT_INODE)
-    tree.add_page(root, [Child("a", True, "a/"), Child("b", True, "b/")])
+    tree.add_page(root, [DirEntry("a", True, "a/"), DirEntry("b", True, "b/")])
     tree.finish(root, 1.0)
     a, b = tree.child(ROOT_INODE, "a").inode, tree.child(ROOT_INODE, "b").inode
     tree.begin(b)  # begun, nothing stored yet
     cut = tree.begin(a)
-    tree.add_page(cut, [Child("x", False, "a/x", size=10, version="old")])
+    tree.add_page(cut, [DirEntry("x", False, "a/x", size=10, version="old")])
     index.close()
 
     index = open_index(tmp_path / "index")
     tree = TreeIndex(index, SPACE)
     listing = tree.begin(a)
-    tree.add_page(listing, [Child("x", False, "a/x", size=11, version="new")])
+    tree.add_page(listing, [DirEntry("x", False, "a/x", size=11, version="new")])
     tree.finish(listing, 2.0)
     assert tree.child(a, "x").version == "new"
     assert tree.known_bytes == 11

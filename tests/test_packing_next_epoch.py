@@ -17,9 +17,9 @@ from rocksdict import Rdict
 
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
-from bucketfs.cache.chunks import CHUNK, ENTRY, parse_chunk, parse_packed
 from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
+from bucketfs.cache.schema import CHUNK, ENTRY, decode_chunk, decode_packed
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.hints.protocol import Order
 from bucketfs.namespace import Namespace
@@ -44,8 +44,8 @@ def chunk_layouts(index: Rdict) -> list[tuple[bytes, list[str]]]:
             break
         chunk = int.from_bytes(name[1:], "big")
         tags, keys = set(), []
-        for member in sorted(parse_chunk(value).members, key=lambda m: m.offset):
-            packed = parse_packed(index.get(ENTRY + member.entry) or b"")
+        for member in sorted(decode_chunk(value).members, key=lambda m: m.offset):
+            packed = decode_packed(index.get(ENTRY + member.entry) or b"")
             if packed is not None and packed.chunk == chunk:  # not moved out since
                 tags.add(packed.layout)
                 # an entry is namespace NUL key NUL version NUL block index

@@ -16,7 +16,7 @@ from bucketfs.cache.tiered import BlockCache
 from bucketfs.hints.protocol import Order
 from bucketfs.namespace import Namespace
 from bucketfs.prefetch.eviction import make_policy
-from bucketfs.prefetch.future import HintedPolicy, NextUse
+from bucketfs.prefetch.next_use import HintedPolicy, NextUse
 from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
 from tests.membackend import MemoryBackend

@@ -9,7 +9,8 @@ import random
 import pytest
 from rocksdict import Options, Rdict, WriteBatch
 
-from bucketfs.cache.ranking import IndexRanking, ordered
+from bucketfs.cache.ranking import IndexRanking
+from bucketfs.cache.schema import ordered
 from bucketfs.prefetch.eviction import POLICIES, make_policy
 
 

@@ -29,11 +29,18 @@ from typing import Any
 
 from rocksdict import AccessType, Options, Rdict
 
-from bucketfs.cache.chunks import parse_packed
-from bucketfs.cache.disk import ENTRY, FORMAT_KEY, _parse_record
-from bucketfs.cache.listings import LISTED as LISTING
+from bucketfs.cache.scans import prefixed
+from bucketfs.cache.schema import (
+    COUNTERS_KEY,
+    ENTRY,
+    FORMAT_KEY,
+    TREE_LISTED,
+    decode_block,
+    decode_counters,
+    decode_packed,
+    encode_counters,
+)
 
-COUNTERS_KEY = b"C:counters"
 _TRASH_PREFIX = ".bucketfs-clearing-"
 _ROCKSDICT_CONFIG = "rocksdict-config.json"
 
@@ -52,21 +59,12 @@ def save_counters(index: Rdict, stats: dict[str, int]) -> None:
     for name, value in stats.items():
         totals[name] = totals.get(name, 0) + value
     totals["mounts"] = totals.get("mounts", 0) + 1
-    index[COUNTERS_KEY] = json.dumps(totals, sort_keys=True).encode()
+    index[COUNTERS_KEY] = encode_counters(totals)
 
 
 def load_counters(index: Rdict) -> dict[str, int]:
     """The totals saved by `save_counters`; empty if none were (or they are unreadable)."""
-    raw = index.get(COUNTERS_KEY)
-    if raw is None:
-        return {}
-    try:
-        totals = json.loads(raw)
-    except ValueError:
-        return {}
-    if not isinstance(totals, dict):
-        return {}
-    return {k: v for k, v in totals.items() if isinstance(v, int) and not isinstance(v, bool)}
+    return decode_counters(index.get(COUNTERS_KEY))
 
 
 # --- stats ------------------------------------------------------------------------------
@@ -135,18 +133,12 @@ def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(directory)
     with _open_read_only(path) as index:
         entries = data_bytes = packed_entries = 0
-        for key, value in index.items(from_key=ENTRY):
-            if not key.startswith(ENTRY):
-                break
+        for _, value in prefixed(index, ENTRY):
             entries += 1
-            packed = parse_packed(value)
+            packed = decode_packed(value)
             packed_entries += packed is not None
-            data_bytes += packed.length if packed is not None else _parse_record(value)[0]
-        listings = 0
-        for key in index.keys(from_key=LISTING):
-            if not key.startswith(LISTING):
-                break
-            listings += 1
+            data_bytes += packed.length if packed is not None else decode_block(value).length
+        listings = sum(1 for _ in prefixed(index, TREE_LISTED))
         counters = load_counters(index)
     block_files = file_bytes = 0
     if (path / "data").is_dir():

@@ -5,17 +5,24 @@ name: write `NAME.tmp`, fsync, rename to `NAME`, then record it in the index. A 
 file starts with a header naming its entry and the CRC32 of its bytes; a read checks
 both, so a stale, foreign or damaged file is a miss, never wrong data.
 
-The index holds, per block, a record (`E` + entry: length, CRC, refetch cost and
-eviction state) and the block's place in the eviction order (ranking.py); nothing in
-Python grows with the number of blocks. Small files may instead be packed into chunk
-files laid out in read order (chunks.py): their `E` record then says where in which
-chunk they are, and the chunk, not the entry, has a place in the eviction order.
+The index (its keys and records are schema.py's) holds, per block, a record (length,
+CRC, refetch cost and eviction state) and the block's place in the eviction order
+(ranking.py); nothing in Python grows with the number of blocks. Small files may
+instead be packed into chunk files laid out in read order (chunks.py): their record
+then says where in which chunk they are, and the chunk, not the entry, has a place in
+the eviction order.
+
+Room: block files and chunks take it through one budget (`store`): under the lock, the
+write decides what it needs and room is made for it (eviction, by the policy or, with
+hints, by `HintedVictims`), its bytes counting from then on; the file is written outside
+the lock; the index is updated under it; a failure gives the room back.
 
 A clean close saves the few totals (bytes used, the policy's clock and gap statistics,
-the chunk totals) under `C:state` and `C:chunks`, which the next open reads and deletes:
-when they are missing, the last run crashed, so the open scans the records once to
-recount them and deletes block and chunk files nobody indexed (a crash between rename
-and index). A valid cache is never wiped.
+the chunk totals), which the next open reads and deletes: when they are missing, the
+last run crashed, so the open scans the records once to recount them and deletes block
+and chunk files nobody indexed (a crash between rename and index). A valid cache is
+never wiped; one of an older format, whose entries do not say the span they hold, is
+started afresh.
 
 A full disk (ENOSPC), a read-only or unwritable directory make the tier step aside for
 writes with one warning; reads keep working from RAM and the origin. Blocking: called
@@ -34,24 +41,19 @@ import stat
 import struct
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rocksdict import Options, Rdict, WriteBatch
 
-from bucketfs.cache.blocks import BlockId, entry_block, entry_key_prefix, entry_length, entry_name
-from bucketfs.cache.chunks import (
-    CHUNK_TOTALS_KEY,
-    ENTRY,
-    ChunkStore,
-    chunk_of_rank_name,
-    parse_packed,
-    rank_name,
-)
+from bucketfs.cache import schema
+from bucketfs.cache.blocks import BlockId
+from bucketfs.cache.chunks import ChunkStore, Decision, Reservation
 from bucketfs.cache.durable import write_durably
-from bucketfs.cache.foresight import HintedVictims
+from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.cache.ranking import IndexRanking
 from bucketfs.cache.scans import prefixed
+from bucketfs.cache.schema import ENTRY, BlockRecord, Member
 from bucketfs.prefetch.eviction import RankedPolicy
 from bucketfs.private import UnsafePath, openness, private_directory
 
@@ -59,18 +61,6 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"BFSB1\n"
 _HEADER = struct.Struct("<IQI")  # entry-name length, data length, crc32
-_RECORD = struct.Struct("<QId")  # data length, crc32, cost
-CLOCK_KEY = b"C:clock"  # format 1 only
-FORMAT_KEY = b"C:format"
-#: 2: eviction order as index keys (ranking.py). 3: chunk files (chunks.py). 4: entries
-#: and listings name their origin's endpoint, and entries the object size and the byte
-#: span they hold (blocks.py). Entries of formats 1 to 3 do not say which block size cut
-#: them, so such a cache is started afresh; an older build refuses a newer cache.
-FORMAT = b"4"
-_OLDER_FORMATS = (b"1", b"2", b"3")
-STATE_KEY = b"C:state"
-POLICY_KEY = b"C:policy"
-_STATE = struct.Struct("<qqqqq")  # clock, miss clock, bytes used, gap sum, gap count
 #: errnos that mean "this directory cannot take writes now", not a bug.
 _STEP_ASIDE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
@@ -84,32 +74,30 @@ class CacheDirUnwritable(CacheDirError):
     with a RAM-only cache."""
 
 
-def _record(length: int, crc: int, cost: float, state: tuple[float, ...]) -> bytes:
-    return _RECORD.pack(length, crc, cost) + struct.pack(f"<{len(state)}d", *state)
-
-
-def _parse_record(value: bytes) -> tuple[int, int, float, tuple[float, ...]]:
-    length, crc, cost = _RECORD.unpack_from(value)
-    rest = value[_RECORD.size:]
-    return length, crc, cost, struct.unpack(f"<{len(rest) // 8}d", rest)
+#: A hit: the block's bytes, its refetch cost, and when it is packed in a chunk being
+#: read in order, the blocks after it read with the same pread (block, bytes, cost).
+Found = tuple[bytes, float, list[tuple[BlockId, bytes, float]]]
 
 
 class DiskTier:
     def __init__(
         self, directory: str | os.PathLike[str], capacity: int, policy: RankedPolicy, *,
         source: str, block_size: int, free_floor: int = 0, group: int | None = None,
+        hinted: HintedVictims | None = None,
     ) -> None:
         """`source` names the origin (scheme, endpoint, bucket): entries of other origins
         sharing the directory stay apart. `block_size`: how this mount cuts objects.
-        `group`: a group that may read the cache too (else only its owner may)."""
+        `group`: a group that may read the cache too (else only its owner may).
+        `hinted`: chooses victims by their next use when hinted orders tell it."""
         self.directory = Path(directory)
         self.capacity = capacity
         self.free_floor = free_floor
         self.policy = policy
         self.source = source
         self.block_size = block_size
+        self.hinted = hinted
         self.lock = threading.Lock()
-        #: Entries being written now (their bytes already count in `used`).
+        #: Entries and chunks being written now (their bytes already count in `used`).
         self.writing: dict[bytes, int] = {}
         self.used = 0
         self.evictions = 0
@@ -125,17 +113,17 @@ class DiskTier:
         except UnsafePath as exc:
             raise CacheDirError(f"cannot use cache directory {self.directory}: {exc}") from None
         except Exception as exc:  # rocksdict raises its own exception types
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            message = f"cannot use cache directory {self.directory}: {reason}"
-            unwritable = (isinstance(exc, OSError) and exc.errno in _STEP_ASIDE) or any(
-                s in reason for s in ("Permission denied", "Read-only file system",
-                                      "No space left"))
-            raise (CacheDirUnwritable if unwritable else CacheDirError)(message) from None
+            raise _open_error(self.directory, exc) from None
         self.ranking = IndexRanking(self.index, policy)
-        #: Set when hinted orders tell the future: victims are then chosen by next use.
-        self.foresight: HintedVictims | None = None
-        self.chunks = ChunkStore(self)
-        self._load()
+        self.chunks = ChunkStore(self, self.directory / "chunks")
+        try:
+            self._load()
+        except CacheDirError:
+            self.index.close()
+            raise
+        except Exception as exc:  # a full or read-only device: RAM only
+            self.index.close()
+            raise _open_error(self.directory, exc) from None
 
     # --- startup ------------------------------------------------------------------------
 
@@ -162,33 +150,37 @@ class DiskTier:
             private_directory(sub, mode, group=group)
 
     def _load(self) -> None:
-        found = self.index.get(FORMAT_KEY)
-        if found not in (None, *_OLDER_FORMATS, FORMAT):
+        found = self.index.get(schema.FORMAT_KEY)
+        if found not in (None, *schema.OLDER_FORMATS, schema.FORMAT):
             raise CacheDirError(f"{self.directory} holds a cache of another format; "
                                 "clear it with: bucketfs cache clear DIR")
-        if found in _OLDER_FORMATS:
+        if found in schema.OLDER_FORMATS:
             self._start_afresh(found)
             found = None
         identity = self.policy.identity().encode()
         # Ranks saved by another policy are rebuilt.
-        rebuild = found is not None and self.index.get(POLICY_KEY) != identity
-        saved = self.index.get(STATE_KEY)
-        if saved is not None and len(saved) != _STATE.size:
-            rebuild = True  # totals of an older layout: recount rather than misread them
-        if saved is not None and not rebuild:
-            (self.ranking.clock, self.ranking.misses, self.used, self.ranking.gap_sum,
-             self.ranking.gap_count) = _STATE.unpack(saved)
-            # Saved with the state at a clean close (absent: a format-2 cache, no chunks).
-            self.chunks.restore_totals(self.index.get(CHUNK_TOTALS_KEY))
+        rebuild = found is not None and self.index.get(schema.POLICY_KEY) != identity
+        saved = self.index.get(schema.STATE_KEY)
+        state = None
+        if saved is not None:
+            try:
+                state = schema.decode_state(saved)
+            except ValueError:
+                rebuild = True  # totals of another layout: recount rather than misread
+        if state is not None and not rebuild:
+            ranking = self.ranking
+            (ranking.clock, ranking.misses, self.used, ranking.gap_sum,
+             ranking.gap_count) = state
+            self.chunks.restore_totals(self.index.get(schema.CHUNK_TOTALS_KEY))
         else:
             self._recover(rebuild)
-        self.index[FORMAT_KEY] = FORMAT
-        self.index[POLICY_KEY] = identity
+        self.index[schema.FORMAT_KEY] = schema.FORMAT
+        self.index[schema.POLICY_KEY] = identity
         if saved is not None:
             # From now on a crash must look like one: the next open recounts.
             batch = WriteBatch(raw_mode=True)
-            batch.delete(STATE_KEY)
-            batch.delete(CHUNK_TOTALS_KEY)
+            batch.delete(schema.STATE_KEY)
+            batch.delete(schema.CHUNK_TOTALS_KEY)
             self.index.write(batch)
             self.index.flush_wal(True)
 
@@ -208,9 +200,6 @@ class DiskTier:
     def _recover(self, rebuild: bool) -> None:
         """Recount the records (the last run did not close cleanly, or the ranks are
         rebuilt) and delete block files no record names."""
-        clock = self.index.get(CLOCK_KEY)
-        if clock is not None:
-            self.ranking.clock = int(struct.unpack("<d", clock)[0])
         if rebuild:
             self.ranking.clear_keys()
         self.chunks.recover_chunks(rebuild)
@@ -218,22 +207,21 @@ class DiskTier:
         indexed: set[str] = set()
         broken: list[bytes] = []
         # Blocks of every bucket this directory ever cached compete for its room alike.
-        for name, value in self.index.items(from_key=ENTRY):
-            if not name.startswith(ENTRY):
-                break
-            packed = parse_packed(value)
+        for name, value in prefixed(self.index, ENTRY):
+            packed = schema.decode_packed(value)
             if packed is not None:  # counted in its chunk's bytes
                 if not self.chunks.recover_member(packed):
                     broken.append(name)  # its chunk is gone
                 continue
             try:
-                length, _, cost, state = _parse_record(value)
-                self.ranking.restored(batch, name[1:], length, cost, state)
+                record = schema.decode_block(value)
+                self.ranking.restored(batch, name[1:], record.length, record.cost,
+                                      record.state)
             except (ValueError, TypeError, IndexError, OverflowError, struct.error):
                 broken.append(name)  # not a record this code wrote: a miss
                 continue
-            indexed.add(self._file_name(name[1:]))
-            self.used += length
+            indexed.add(block_file_name(name[1:]))
+            self.used += record.length
             if batch is not None and len(batch) >= 10_000:
                 self.index.write(batch)
                 batch = WriteBatch(raw_mode=True)
@@ -242,8 +230,7 @@ class DiskTier:
         for name in broken:
             self.index.delete(name)
         self.chunks.finish_recovery()
-        self.index.delete(CLOCK_KEY)
-        self.index.delete(CHUNK_TOTALS_KEY)
+        self.index.delete(schema.CHUNK_TOTALS_KEY)
         self._sweep(indexed)
 
     def _sweep(self, indexed: set[str]) -> None:
@@ -261,43 +248,35 @@ class DiskTier:
 
     # --- naming -------------------------------------------------------------------------
 
-    @staticmethod
-    def _file_name(entry: bytes) -> str:
-        return hashlib.sha256(entry).hexdigest()[:40] + ".blk"
-
-    def _path(self, entry: bytes) -> Path:
-        name = self._file_name(entry)
+    def block_path(self, entry: bytes) -> Path:
+        """Where the block file of `entry` is (if it is stored as one)."""
+        name = block_file_name(entry)
         return self.data_dir / name[:2] / name
 
     def _entry(self, block: BlockId) -> bytes:
-        return entry_name(self.source, block, self.block_size)
+        return schema.entry_name(self.source, block, self.block_size)
 
-    def _block(self, entry: bytes) -> BlockId | None:
+    def block_of(self, entry: bytes) -> BlockId | None:
         """The block an entry names, if it is one of this origin's blocks as this mount
         cuts objects (the inverse of `_entry`)."""
-        return entry_block(entry, self.source, self.block_size)
+        return schema.entry_block(entry, self.source, self.block_size)
 
     # --- reads --------------------------------------------------------------------------
 
-    def __contains__(self, block: BlockId) -> bool:
+    def holds(self, block: BlockId) -> bool:
+        """Whether the tier has the block (one index read; no I/O)."""
         return self.index.get(ENTRY + self._entry(block)) is not None
 
-    def get(self, block: BlockId) -> tuple[bytes, float] | None:
-        """The block's bytes and its refetch cost, or None on a miss."""
-        found = self.get_run(block, 0)
-        return None if found is None else (found[0], found[1])
-
-    def get_run(self, block: BlockId, ahead: int,
-                ) -> tuple[bytes, float, list[tuple[BlockId, bytes, float]]] | None:
-        """Like `get`, and when the block is packed in a chunk that is being read in
-        order, the blocks after it in the chunk (at most `ahead` bytes), read with the
-        same pread and each checked: (block, bytes, cost)."""
+    def get(self, block: BlockId, ahead: int = 0) -> Found | None:
+        """The block's bytes, its refetch cost and, when the block is packed in a chunk
+        that is being read in order, the blocks after it in the chunk (at most `ahead`
+        bytes), read with the same pread and each checked; None on a miss."""
         entry = self._entry(block)
         value = self.index.get(ENTRY + entry)
         if value is None:
             return None
-        span = entry_length(entry)
-        packed = parse_packed(value)
+        span = schema.entry_length(entry)
+        packed = schema.decode_packed(value)
         if packed is not None:
             if packed.length != span:  # not the span this read needs: never its data
                 return self._mismatch(entry)
@@ -305,27 +284,32 @@ class DiskTier:
             if found is None:
                 return None
             data, following = found
-            return data, packed.cost, [
-                (b, d, m.cost) for m, d in following
-                if (b := self._block(m.entry)) is not None and len(d) == entry_length(m.entry)]
+            return data, packed.cost, self._blocks_of(following)
         try:
-            length, crc, cost, _ = _parse_record(value)
+            record = schema.decode_block(value)
         except (ValueError, struct.error):
             return self._mismatch(entry)
-        if length != span:
+        if record.length != span:
             return self._mismatch(entry)
-        data = self._read_verified(entry, length, crc)
+        data = self._read_verified(entry, record.length, record.crc)
         with self.lock:
             if data is None:
                 now = self.index.get(ENTRY + entry)
-                if now is not None and parse_packed(now) is None:  # not packed meanwhile
+                if now is not None and not schema.is_packed(now):  # not packed meanwhile
                     self._forget(entry)
                 return None
             try:
                 self._referenced(entry)
             except Exception as exc:  # the index cannot take writes: still a hit
-                self._step_aside(exc)
-        return data, cost, []
+                self.step_aside(exc)
+        return data, record.cost, []
+
+    def _blocks_of(self, members: list[tuple[Member, bytes]],
+                   ) -> list[tuple[BlockId, bytes, float]]:
+        """The members read ahead that are blocks of this mount, whole."""
+        return [(b, d, m.cost) for m, d in members
+                if (b := self.block_of(m.entry)) is not None
+                and len(d) == schema.entry_length(m.entry)]
 
     def _mismatch(self, entry: bytes) -> None:
         """A record that does not hold the span its name says: drop it, a miss."""
@@ -333,8 +317,8 @@ class DiskTier:
                     "dropping it", self.directory)
         with self.lock:
             value = self.index.get(ENTRY + entry)
-            if value is not None and parse_packed(value) is None:
-                self._path(entry).unlink(missing_ok=True)
+            if value is not None and not schema.is_packed(value):
+                self.block_path(entry).unlink(missing_ok=True)
             with contextlib.suppress(Exception):  # an index that takes no writes: a miss
                 self._forget(entry)
         return None
@@ -342,30 +326,23 @@ class DiskTier:
     def packed_layout(self, block: BlockId) -> bytes | None:
         """The layout tag of the chunk holding the block, None if it is not packed."""
         value = self.index.get(ENTRY + self._entry(block))
-        packed = None if value is None else parse_packed(value)
+        packed = None if value is None else schema.decode_packed(value)
         return None if packed is None else packed.layout
-
-    def write_chunk(self, blocks: list[tuple[BlockId, bytes, float]], layout: bytes) -> bool:
-        """Pack these blocks, in this order, into one chunk file (chunks.py)."""
-        members = [(self._entry(b), d, c) for b, d, c in blocks]
-        for entry, data, _ in members:
-            if len(data) != entry_length(entry):
-                raise ValueError(f"{len(data)} bytes for a block of {entry_length(entry)}")
-        return self.chunks.write(members, layout)
 
     def _referenced(self, entry: bytes) -> None:
         # Read again under the lock: it may have been evicted or ranked anew meanwhile.
         value = self.index.get(ENTRY + entry)
         if value is None:
             return
-        length, crc, cost, state = _parse_record(value)
+        record = schema.decode_block(value)
         batch = WriteBatch(raw_mode=True)
-        state = self.ranking.referenced(batch, entry, length, cost, state)
-        batch.put(ENTRY + entry, _record(length, crc, cost, state))
+        state = self.ranking.referenced(batch, entry, record.length, record.cost,
+                                        record.state)
+        batch.put(ENTRY + entry, schema.encode_block(record._replace(state=state)))
         self.index.write(batch)
 
     def _read_verified(self, entry: bytes, length: int, crc: int) -> bytes | None:
-        path = self._path(entry)
+        path = self.block_path(entry)
         try:
             with open(path, "rb") as f:
                 raw = f.read()
@@ -391,6 +368,62 @@ class DiskTier:
         path.unlink(missing_ok=True)
         return None
 
+    # --- the budget: block files and chunks take room through it -----------------------
+
+    def store(self, decide: Callable[[], Decision], write: Callable[[Reservation], None],
+              index: Callable[[Reservation], int]) -> bool:
+        """Put something on the tier: under the lock `decide()` says what it needs (True:
+        it is there already; False: do not store it), and room is made; `write` puts
+        its file down outside the lock; `index` records it under the lock and returns
+        bytes it gives back (0 unless it found it needless). A failure rolls back."""
+        try:
+            with self.lock:
+                decision = decide()
+                if isinstance(decision, bool):
+                    return decision
+                reservation = decision
+                if reservation.room and not self._make_room(reservation.room,
+                                                            reservation.incoming):
+                    return False
+                # Counted from now, so concurrent writers cannot overrun the budget together.
+                self.writing[reservation.name] = reservation.size
+                self.used += reservation.size
+        except Exception as exc:  # RocksDB refused a read or a delete
+            self.step_aside(exc)
+            return False
+        try:
+            write(reservation)
+            with self.lock:
+                given_back = index(reservation)  # may itself change `used` (a chunk's)
+                self.used -= given_back
+        except Exception as exc:  # OSError from the disk, RocksDB's own errors
+            with self.lock:
+                self.used -= reservation.size
+                self.ranking.cooling.pop(reservation.name, None)
+            reservation.path.unlink(missing_ok=True)
+            self.step_aside(exc)
+            return False
+        finally:
+            with self.lock:
+                self.writing.pop(reservation.name, None)
+        return True
+
+    def count_used(self, size: int) -> None:
+        """Bytes that came (or, negative, went) outside `store`: found at recovery,
+        freed by a chunk's changes. Lock held, or at startup."""
+        self.used += size
+
+    def step_aside(self, exc: Exception) -> None:
+        """A write failed: stop writing if the disk will not fix it by itself."""
+        if not isinstance(exc, OSError) or exc.errno in _STEP_ASIDE:
+            if self.writable:
+                reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+                log.warning("cache: %s: the SSD tier stops taking writes (%s); reads go on "
+                            "from RAM and the origin", self.directory, reason)
+            self.writable = False
+        else:
+            log.warning("cache: cannot write a block to %s: %s", self.directory, exc)
+
     # --- writes -------------------------------------------------------------------------
 
     def put(self, block: BlockId, data: bytes, cost: float) -> bool:
@@ -398,48 +431,44 @@ class DiskTier:
         entry = self._entry(block)
         if not self.writable or len(data) > self.capacity:
             return False
-        if len(data) != entry_length(entry):
-            raise ValueError(f"{len(data)} bytes for a block of {entry_length(entry)}")
-        try:
-            with self.lock:
-                if entry in self.writing or self.index.get(ENTRY + entry) is not None:
-                    return True
-                if not self._make_room(len(data), [block.key]):
-                    return False
-                # Counted from now, so concurrent writers cannot overrun the budget together.
-                self.writing[entry] = len(data)
-                self.used += len(data)
-        except Exception as exc:  # RocksDB refused a read or a delete
-            self._step_aside(exc)
-            return False
+        if len(data) != schema.entry_length(entry):
+            raise ValueError(f"{len(data)} bytes for a block of {schema.entry_length(entry)}")
         crc = zlib.crc32(data)
-        path = self._path(entry)
-        try:
-            self._write_file(path, entry, data, crc)
-            with self.lock:
-                if self.index.get(ENTRY + entry) is not None:  # packed in a chunk meanwhile
-                    self.used -= len(data)
-                    path.unlink(missing_ok=True)
-                    return True
-                batch = WriteBatch(raw_mode=True)
-                state = self.ranking.admitted(batch, entry, len(data), cost)
-                batch.put(ENTRY + entry, _record(len(data), crc, cost, state))
-                self.index.write(batch)
-        except Exception as exc:  # OSError from the disk, RocksDB's own errors
-            with self.lock:
-                self.used -= len(data)
-                self.ranking.cooling.pop(entry, None)
-            path.unlink(missing_ok=True)
-            self._step_aside(exc)
-            return False
-        finally:
-            with self.lock:
-                self.writing.pop(entry, None)
-        return True
 
-    def _write_file(self, path: Path, entry: bytes, data: bytes, crc: int) -> None:
-        path.parent.mkdir(exist_ok=True)
-        write_durably(path, (MAGIC + _HEADER.pack(len(entry), len(data), crc) + entry, data))
+        def decide() -> Decision:
+            if entry in self.writing or self.index.get(ENTRY + entry) is not None:
+                return True
+            return Reservation(entry, self.block_path(entry), len(data), len(data),
+                               [block.key])
+
+        def write(reservation: Reservation) -> None:
+            reservation.path.parent.mkdir(exist_ok=True)
+            write_durably(reservation.path, (
+                MAGIC + _HEADER.pack(len(entry), len(data), crc) + entry, data))
+
+        def index(reservation: Reservation) -> int:
+            if self.index.get(ENTRY + entry) is not None:  # packed in a chunk meanwhile
+                reservation.path.unlink(missing_ok=True)
+                return len(data)
+            batch = WriteBatch(raw_mode=True)
+            state = self.ranking.admitted(batch, entry, len(data), cost)
+            batch.put(ENTRY + entry, schema.encode_block(
+                BlockRecord(len(data), crc, cost, state)))
+            self.index.write(batch)
+            return 0
+
+        return self.store(decide, write, index)
+
+    def write_chunk(self, blocks: list[tuple[BlockId, bytes, float]], layout: bytes) -> bool:
+        """Pack these blocks, in this order, into one chunk file (chunks.py)."""
+        members = [(self._entry(b), d, c) for b, d, c in blocks]
+        for entry, data, _ in members:
+            if len(data) != schema.entry_length(entry):
+                raise ValueError(f"{len(data)} bytes for a block of "
+                                 f"{schema.entry_length(entry)}")
+        return self.chunks.write(members, layout)
+
+    # --- eviction -----------------------------------------------------------------------
 
     def _make_room(self, size: int, incoming: Sequence[str] = ()) -> bool:
         """Evict until `size` more bytes fit the budget and the free-space floor. If the
@@ -452,7 +481,7 @@ class DiskTier:
             victim = self._victim(incoming)
             if victim is None:
                 return False
-            chunk = chunk_of_rank_name(victim)
+            chunk = schema.chunk_of_rank_name(victim)
             length = self._forget(victim) if chunk is None else self.chunks.drop(chunk)
             if length is None:  # a rank key without a record: never written together
                 log.warning("cache: %s: the eviction order names a missing entry; "
@@ -462,7 +491,7 @@ class DiskTier:
                 self.index.delete(self.ranking.victim_key)
                 continue
             if chunk is None:
-                self._path(victim).unlink(missing_ok=True)
+                self.block_path(victim).unlink(missing_ok=True)
             self.evictions += 1
             shortfall -= length
         return True
@@ -472,12 +501,12 @@ class DiskTier:
         there is nothing to evict (with hints: nothing outside the readers' windows, or
         what comes in, the data of the objects `incoming`, is used later than anything
         here)."""
-        if self.foresight is None:
+        if self.hinted is None:
             return self.ranking.victim()
-        future = self.foresight.future(incoming)
-        chosen = self.foresight.choose(self.ranking.head(), self.ranking.tail(),
-                                       self._keys_of, future,
-                                       self.foresight.behind(self._stored))
+        upcoming = self.hinted.nearest(incoming)
+        chosen = self.hinted.choose(self.ranking.head(), self.ranking.tail(),
+                                    self._keys_of, upcoming,
+                                    self.hinted.behind(self._stored))
         if chosen is None:
             return None
         self.ranking.victim_key = chosen[0]
@@ -487,20 +516,20 @@ class DiskTier:
         """(rank key, name in the eviction order) of each version and block of `key`
         here: the block's entry, or the chunk it is packed in. The rank key is left
         empty: these names come from records that exist, so it is never needed."""
-        prefix = ENTRY + entry_key_prefix(self.source, key)
         found = []
-        for name, value in prefixed(self.index, prefix):
-            packed = parse_packed(value)
+        for name, value in prefixed(self.index, ENTRY + schema.entry_key_prefix(self.source,
+                                                                                 key)):
+            packed = schema.decode_packed(value)
             found.append((b"", name[len(ENTRY):] if packed is None
-                          else rank_name(packed.chunk)))
+                          else schema.chunk_rank_name(packed.chunk)))
         return found
 
     def _keys_of(self, name: bytes) -> list[str]:
         """The object keys a name in the eviction order holds data of (a chunk: its
         members')."""
-        chunk = chunk_of_rank_name(name)
+        chunk = schema.chunk_of_rank_name(name)
         entries = [name] if chunk is None else self.chunks.member_entries(chunk)
-        return [block.key for block in map(self._block, entries) if block is not None]
+        return [block.key for block in map(self.block_of, entries) if block is not None]
 
     def _floor_shortfall(self, size: int) -> int:
         if not self.free_floor:
@@ -513,32 +542,16 @@ class DiskTier:
         value = self.index.get(ENTRY + entry)
         if value is None:
             return None
-        packed = parse_packed(value)
+        packed = schema.decode_packed(value)
         if packed is not None:
             return self.chunks.forget_member(entry, packed)
+        record = schema.decode_block(value)
         batch = WriteBatch(raw_mode=True)
         batch.delete(ENTRY + entry)
-        length = self.release_block(batch, entry, value)
+        self.ranking.removed(batch, entry, record.length, record.cost, record.state)
         self.index.write(batch)
-        self.used -= length
-        return length
-
-    def release_block(self, batch: WriteBatch, entry: bytes, value: bytes) -> int:
-        """Add the removal of a block record's ranks to `batch` (the caller deletes or
-        replaces the record); its length. Lock held."""
-        length, _, cost, state = _parse_record(value)
-        self.ranking.removed(batch, entry, length, cost, state)
-        return length
-
-    def _step_aside(self, exc: Exception) -> None:
-        if not isinstance(exc, OSError) or exc.errno in _STEP_ASIDE:
-            if self.writable:
-                reason = exc.strerror if isinstance(exc, OSError) else str(exc)
-                log.warning("cache: %s: the SSD tier stops taking writes (%s); reads go on "
-                            "from RAM and the origin", self.directory, reason)
-            self.writable = False
-        else:
-            log.warning("cache: cannot write a block to %s: %s", self.directory, exc)
+        self.used -= record.length
+        return record.length
 
     def close(self) -> None:
         with self.lock:
@@ -547,10 +560,10 @@ class DiskTier:
                 self.chunks.close()
                 batch = WriteBatch(raw_mode=True)
                 # Bytes being written are not on disk: they are not counted as used.
-                batch.put(STATE_KEY, _STATE.pack(
+                batch.put(schema.STATE_KEY, schema.encode_state(schema.TierState(
                     ranking.clock, ranking.misses, self.used - sum(self.writing.values()),
-                    ranking.gap_sum, ranking.gap_count))
-                batch.put(CHUNK_TOTALS_KEY, self.chunks.totals())
+                    ranking.gap_sum, ranking.gap_count)))
+                batch.put(schema.CHUNK_TOTALS_KEY, self.chunks.totals())
                 self.index.write(batch)
                 self.index.flush()
                 self.index.close()
@@ -560,3 +573,18 @@ class DiskTier:
                         "cache: could not save the index of %s on close: %s",
                         self.directory, str(exc).splitlines()[0])
 
+
+def block_file_name(entry: bytes) -> str:
+    """The name of an entry's block file (under data/, in a directory of its first two
+    characters)."""
+    return hashlib.sha256(entry).hexdigest()[:40] + ".blk"
+
+
+def _open_error(directory: Path, exc: Exception) -> CacheDirError:
+    """What opening the cache directory failed with, for the user: unwritable (the
+    mount goes on with RAM only) or unusable."""
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    message = f"cannot use cache directory {directory}: {reason}"
+    unwritable = (isinstance(exc, OSError) and exc.errno in _STEP_ASIDE) or any(
+        s in reason for s in ("Permission denied", "Read-only file system", "No space left"))
+    return (CacheDirUnwritable if unwritable else CacheDirError)(message)

@@ -2,16 +2,9 @@
 its startup time grows with the number of objects in the bucket, and a remount reuses
 the listings (and the inode numbers) of the last one without listing the bucket.
 
-Keys, under a `space` naming the origin and the mounted prefix:
-
-    N space \\0 parent-inode name   -> the entry's record (Record.pack)
-    I space \\0 inode               -> parent-inode name (to find the entry from its inode)
-    S space \\0 directory-inode     -> when the directory was listed (wall-clock seconds)
-    M space \\0 next|bytes|files|stamp -> the next free inode, the totals for statfs and
-                                       the next listing stamp
-
-Entries sit under their parent sorted by name (UTF-8 byte order), so readdir is a
-seek and a scan.
+The keys and records (`N`, `I`, `S`, `M`, under a space naming the origin and the
+mounted prefix) are laid out in schema.py. Entries sit under their parent sorted by name
+(UTF-8 byte order), so readdir is a seek and a scan.
 
 A listing is stored page by page as the bucket sends it (`begin`, `add_page`,
 `finish`), so Python holds one page of it, not the whole directory, however large.
@@ -20,6 +13,9 @@ entries an older listing left that this one did not see, then writes the `S` rec
 a directory counts as listed only once all of it is stored, and a listing cut short
 by a crash is made again. Each batch saves the `M` counters with its records, so the
 entries such a listing left keep inode numbers and a stamp no later listing gets.
+
+An inode stands for one directory, or one version of a file: a file whose version
+changed gets a new inode, and the old one is reported `gone`, like a removed entry.
 
 When the index cannot take writes (a full or read-only cache device), the tree goes on
 in memory: the directories listed from then on, and the entries changed, are kept in
@@ -30,75 +26,22 @@ listing are stored from a worker thread, serialised by a lock.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import struct
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from rocksdict import Rdict, WriteBatch
 
+from bucketfs.cache import schema
 from bucketfs.cache.scans import prefixed
+from bucketfs.cache.schema import DirEntry
 
 log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
-ENTRY = b"N"
-INODE = b"I"
-LISTED = b"S"
-META = b"M"
-_U64 = struct.Struct(">Q")
-_FIXED = struct.Struct("<QBQqQ")  # inode, is_dir, size, mtime_ns, listing stamp
-
-
-def _text(value: str) -> bytes:
-    raw = value.encode("utf-8", "surrogateescape")
-    return struct.pack("<I", len(raw)) + raw
-
-
-@dataclass(slots=True)
-class Record:
-    """One directory entry as stored (see namespace.Node for the meaning of fields)."""
-
-    inode: int
-    is_dir: bool
-    key: str
-    size: int = 0
-    mtime_ns: int = 0
-    version: str = ""
-    #: The listing that wrote it (TreeIndex.finish drops entries of older listings).
-    stamp: int = 0
-
-    def pack(self) -> bytes:
-        return (_FIXED.pack(self.inode, self.is_dir, self.size, self.mtime_ns, self.stamp)
-                + _text(self.key) + _text(self.version))
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> Record:
-        inode, is_dir, size, mtime_ns, stamp = _FIXED.unpack_from(raw)
-        at, texts = _FIXED.size, []
-        for _ in range(2):
-            (length,) = struct.unpack_from("<I", raw, at)
-            texts.append(raw[at + 4:at + 4 + length].decode("utf-8", "surrogateescape"))
-            at += 4 + length
-        return cls(inode, bool(is_dir), texts[0], size, mtime_ns, texts[1], stamp)
-
-    def same_object(self, other: Record | Child) -> bool:
-        """Whether `other` names the same directory, or the same version of the file: an
-        inode stands for one version, so the kernel never mixes two in its page cache."""
-        return self.is_dir == other.is_dir and (self.is_dir or self.version == other.version)
-
-
-@dataclass(slots=True)
-class Child:
-    """One entry of a new listing, before it has an inode."""
-
-    name: str
-    is_dir: bool
-    key: str
-    size: int = 0
-    mtime_ns: int = 0
-    version: str = ""
+_BATCH = 20_000
 
 
 @dataclass(slots=True)
@@ -110,7 +53,18 @@ class Listing:
     #: Stored in memory (the index took no writes when it began).
     in_memory: bool
     #: In memory: the directory's entries as this listing sees them.
-    entries: dict[str, Record] = field(default_factory=dict)
+    entries: dict[str, DirEntry] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Changes:
+    """What storing (part of) a listing changed that others must hear of."""
+
+    #: Keys of objects hidden by a directory of the same name.
+    hidden: list[str] = field(default_factory=list)
+    #: Entries whose inode no longer names them: removed, or a new version of the file
+    #: under a new inode (as they were).
+    gone: list[DirEntry] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -120,24 +74,13 @@ class _Counts:
     files: int = 0
     bytes: int = 0
 
-    def add(self, record: Record, sign: int) -> None:
+    def add(self, entry: DirEntry, sign: int) -> None:
         self.files += sign
-        self.bytes += sign * record.size
-
-
-@dataclass(slots=True)
-class Changes:
-    """What storing (part of) a listing changed that others must hear of."""
-
-    #: Keys of objects hidden by a directory of the same name.
-    hidden: list[str] = field(default_factory=list)
-    #: Entries whose inode no longer names them (removed, or a new version of the file
-    #: under a new inode): (name, the record they had).
-    gone: list[tuple[str, Record]] = field(default_factory=list)
+        self.bytes += sign * entry.size
 
 
 #: In `_Memory.changed`: the entry was removed (the index still holds it).
-_REMOVED = Record(0, False, "")
+_REMOVED = DirEntry("", False, "")
 
 
 class IndexUnwritable(Exception):
@@ -150,10 +93,10 @@ class _Memory:
     """What the tree holds in memory since the index stopped taking writes."""
 
     #: Directories listed since: their whole listing, and when it was made.
-    listings: dict[int, dict[str, Record]] = field(default_factory=dict)
+    listings: dict[int, dict[str, DirEntry]] = field(default_factory=dict)
     listed_at: dict[int, float] = field(default_factory=dict)
-    #: Entries changed since in directories the index holds: (parent, name) -> record.
-    changed: dict[tuple[int, str], Record] = field(default_factory=dict)
+    #: Entries changed since in directories the index holds: (parent, name) -> entry.
+    changed: dict[tuple[int, str], DirEntry] = field(default_factory=dict)
     #: inode -> (parent, name) of the entries above.
     locations: dict[int, tuple[int, str]] = field(default_factory=dict)
     #: The index's listing times no longer count (a refresh that could not be saved).
@@ -161,9 +104,11 @@ class _Memory:
 
 
 class TreeIndex:
-    def __init__(self, index: Rdict, space: str) -> None:
+    def __init__(self, index: Rdict, space: bytes) -> None:
+        """`space`: `schema.tree_space(origin, prefix)`, so mounts sharing an index stay
+        apart."""
         self.index = index
-        self.space = space.encode("utf-8", "surrogateescape") + b"\0"
+        self.space = space
         self._lock = threading.Lock()
         self.next_inode = self._meta(b"next") or ROOT_INODE + 1
         self.next_stamp = self._meta(b"stamp") + 1
@@ -173,27 +118,12 @@ class TreeIndex:
         self.writable = True
         self._memory = _Memory()
 
-    # --- keys ---------------------------------------------------------------------------
-
-    def _dir_prefix(self, parent: int) -> bytes:
-        return ENTRY + self.space + _U64.pack(parent)
-
-    def _entry_key(self, parent: int, name: str) -> bytes:
-        return self._dir_prefix(parent) + name.encode("utf-8", "surrogateescape")
-
-    def _inode_key(self, inode: int) -> bytes:
-        return INODE + self.space + _U64.pack(inode)
-
-    def _listed_key(self, inode: int) -> bytes:
-        return LISTED + self.space + _U64.pack(inode)
-
     def _meta(self, name: bytes) -> int:
-        raw = self.index.get(META + self.space + name)
-        return _U64.unpack(raw)[0] if raw else 0
+        return schema.decode_counter(self.index.get(schema.tree_meta_key(self.space, name)))
 
     # --- reads --------------------------------------------------------------------------
 
-    def child(self, parent: int, name: str) -> Record | None:
+    def child(self, parent: int, name: str) -> DirEntry | None:
         memory = self._memory
         if parent in memory.listings:
             return memory.listings[parent].get(name)
@@ -202,19 +132,17 @@ class TreeIndex:
             return None if changed is _REMOVED else changed
         return self._stored_child(parent, name)
 
-    def _stored_child(self, parent: int, name: str) -> Record | None:
-        raw = self.index.get(self._entry_key(parent, name))
-        return None if raw is None else Record.unpack(raw)
+    def _stored_child(self, parent: int, name: str) -> DirEntry | None:
+        raw = self.index.get(schema.tree_entry_key(self.space, parent, name))
+        return None if raw is None else schema.decode_dir_entry(raw, parent, name)
 
     def locate(self, inode: int) -> tuple[int, str] | None:
         """(parent inode, name) of an inode, or None if no listing holds it."""
         where = self._memory.locations.get(inode)
         if where is not None:
             return where
-        raw = self.index.get(self._inode_key(inode))
-        if raw is None:
-            return None
-        return _U64.unpack_from(raw)[0], raw[8:].decode("utf-8", "surrogateescape")
+        raw = self.index.get(schema.tree_inode_key(self.space, inode))
+        return None if raw is None else schema.decode_location(raw)
 
     def listed_at(self, inode: int) -> float | None:
         memory = self._memory
@@ -222,84 +150,87 @@ class TreeIndex:
             return memory.listed_at[inode]
         if memory.forgot_listings:
             return None
-        raw = self.index.get(self._listed_key(inode))
-        return None if raw is None else struct.unpack("<d", raw)[0]
+        raw = self.index.get(schema.tree_listed_key(self.space, inode))
+        return None if raw is None else schema.decode_listed_at(raw)
 
-    def children(self, parent: int, after: str | None = None) -> Iterator[tuple[str, Record]]:
-        """(name, record) of a directory's entries in name order, from the first name
-        after `after` (readdir resumes there)."""
+    def children(self, parent: int, after: str | None = None) -> Iterator[DirEntry]:
+        """A directory's entries in name order, from the first name after `after`
+        (readdir resumes there)."""
         memory = self._memory
         if parent in memory.listings:
             entries = memory.listings[parent]
             key = lambda name: name.encode("utf-8", "surrogateescape")  # noqa: E731
             for name in sorted(entries, key=key):
                 if after is None or key(name) > key(after):
-                    yield name, entries[name]
+                    yield entries[name]
             return
-        prefix = self._dir_prefix(parent)
-        start = None if after is None else self._entry_key(parent, after) + b"\0"
+        prefix = schema.tree_dir_prefix(self.space, parent)
+        start = None if after is None else \
+            schema.tree_entry_key(self.space, parent, after) + b"\0"
         for raw_key, value in prefixed(self.index, prefix, start):
             name = raw_key[len(prefix):].decode("utf-8", "surrogateescape")
-            record = memory.changed.get((parent, name)) or Record.unpack(value)
-            if record is not _REMOVED:
-                yield name, record
+            entry = memory.changed.get((parent, name)) or \
+                schema.decode_dir_entry(value, parent, name)
+            if entry is not _REMOVED:
+                yield entry
 
     def any_file_key(self) -> str | None:
         """The key of one object some listing names (to probe access with a HEAD)."""
-        for _, value in prefixed(self.index, ENTRY + self.space):
-            record = Record.unpack(value)
-            if not record.is_dir:
-                return record.key
+        prefix = schema.TREE_ENTRY + self.space
+        for _, value in prefixed(self.index, prefix):
+            entry = schema.decode_dir_entry(value, 0, "")
+            if not entry.is_dir:
+                return entry.key
         return None
 
     # --- writes -------------------------------------------------------------------------
 
-    def replace(self, parent: int, name: str, record: Record) -> Record:
-        """A new version of a file (seen by a HEAD): it gets a new inode, since the
-        kernel's pages of the old inode hold the old version; the record as stored."""
+    def replace(self, old: DirEntry, new: DirEntry) -> DirEntry:
+        """A new version of the file `old` (seen by a HEAD): it gets a new inode, since
+        the kernel's pages of the old inode hold the old version; the entry as stored."""
         with self._lock:
-            old = self.child(parent, name)
-            record.inode = self.next_inode
+            stored = dataclasses.replace(new, inode=self.next_inode, parent=old.parent,
+                                         name=old.name, stamp=old.stamp)
             self.next_inode += 1
             memory = self._memory
-            if parent in memory.listings:
-                memory.listings[parent][name] = record
+            if old.parent in memory.listings:
+                memory.listings[old.parent][old.name] = stored
             else:
                 batch = WriteBatch(raw_mode=True)
-                if old is not None:
-                    batch.delete(self._inode_key(old.inode))
-                batch.put(self._inode_key(record.inode), _U64.pack(parent)
-                          + name.encode("utf-8", "surrogateescape"))
-                batch.put(self._entry_key(parent, name), record.pack())
-                # With the record: a crash must not hand out its inode again.
-                batch.put(META + self.space + b"next", _U64.pack(self.next_inode))
+                batch.delete(schema.tree_inode_key(self.space, old.inode))
+                batch.put(schema.tree_inode_key(self.space, stored.inode),
+                          schema.encode_location(old.parent, old.name))
+                batch.put(schema.tree_entry_key(self.space, old.parent, old.name),
+                          schema.encode_dir_entry(stored))
+                # With the entry: a crash must not hand out its inode again.
+                batch.put(schema.tree_meta_key(self.space, b"next"),
+                          schema.encode_counter(self.next_inode))
                 if not self._try_write(batch):
-                    memory.changed[(parent, name)] = record
-            if old is not None:
-                memory.locations.pop(old.inode, None)
-                self._count(old, -1)
-            memory.locations[record.inode] = (parent, name)
-            self._count(record, 1)
-            return record
+                    memory.changed[(old.parent, old.name)] = stored
+            memory.locations.pop(old.inode, None)
+            memory.locations[stored.inode] = (old.parent, old.name)
+            self._count(old, -1)
+            self._count(stored, 1)
+            return stored
 
-    def remove(self, parent: int, name: str) -> Record | None:
-        """The object was deleted from the bucket: its entry goes (its record)."""
+    def remove(self, old: DirEntry) -> bool:
+        """The object was deleted from the bucket: its entry goes. False if it had gone
+        already."""
         with self._lock:
-            old = self.child(parent, name)
-            if old is None:
-                return None
+            if self.child(old.parent, old.name) != old:
+                return False
             memory = self._memory
             memory.locations.pop(old.inode, None)
-            if parent in memory.listings:
-                memory.listings[parent].pop(name, None)
+            if old.parent in memory.listings:
+                memory.listings[old.parent].pop(old.name, None)
             else:
                 batch = WriteBatch(raw_mode=True)
-                batch.delete(self._inode_key(old.inode))
-                batch.delete(self._entry_key(parent, name))
+                batch.delete(schema.tree_inode_key(self.space, old.inode))
+                batch.delete(schema.tree_entry_key(self.space, old.parent, old.name))
                 if not self._try_write(batch):
-                    memory.changed[(parent, name)] = _REMOVED
+                    memory.changed[(old.parent, old.name)] = _REMOVED
             self._count(old, -1)
-            return old
+            return True
 
     def _try_write(self, batch: WriteBatch) -> bool:
         """Write one change outside a listing; False if the index refused it (lock held)."""
@@ -312,7 +243,7 @@ class TreeIndex:
             self._unwritable(exc)
             return False
 
-    def store(self, parent: int, children: list[Child], listed_at: float) -> Changes:
+    def store(self, parent: int, children: list[DirEntry], listed_at: float) -> Changes:
         """Replace a directory's entries with a listing made in one piece."""
         listing = self.begin(parent)
         try:
@@ -330,7 +261,7 @@ class TreeIndex:
             self.next_stamp += 1
         return Listing(parent, stamp, in_memory=not self.writable)
 
-    def add_page(self, listing: Listing, children: list[Child]) -> Changes:
+    def add_page(self, listing: Listing, children: list[DirEntry]) -> Changes:
         """Store one page of a listing (in the order the bucket sent it). An entry that
         keeps its name, its kind and (a file) its version keeps its inode; one whose
         file changed gets a new inode, and the old one is `gone`. Raises
@@ -339,7 +270,7 @@ class TreeIndex:
             if listing.in_memory:
                 return self._add_in_memory(listing, children)
             batch, counts, changes = WriteBatch(raw_mode=True), _Counts(), Changes()
-            written: dict[str, Record] = {}  # by this page, not in the index yet
+            written: dict[str, DirEntry] = {}  # by this page, not in the index yet
             for child in children:
                 previous = written.get(child.name) or \
                     self._stored_child(listing.parent, child.name)
@@ -351,33 +282,35 @@ class TreeIndex:
                             changes.hidden.append(child.key)
                         continue
                     changes.hidden.append(previous.key)
-                record = self._record(listing, child, previous)
-                if previous is not None and record.inode != previous.inode:
-                    batch.delete(self._inode_key(previous.inode))
+                entry = self._entry(listing, child, previous)
+                if previous is not None and entry.inode != previous.inode:
+                    batch.delete(schema.tree_inode_key(self.space, previous.inode))
                     if previous.stamp != listing.stamp:
-                        changes.gone.append((child.name, previous))
-                if previous is None or record.inode != previous.inode:
-                    batch.put(self._inode_key(record.inode), _U64.pack(listing.parent)
-                              + child.name.encode("utf-8", "surrogateescape"))
+                        changes.gone.append(previous)
+                if previous is None or entry.inode != previous.inode:
+                    batch.put(schema.tree_inode_key(self.space, entry.inode),
+                              schema.encode_location(listing.parent, child.name))
                 if previous is not None:
                     counts.add(previous, -1)
-                counts.add(record, 1)
-                written[child.name] = record
-                batch.put(self._entry_key(listing.parent, child.name), record.pack())
+                counts.add(entry, 1)
+                written[child.name] = entry
+                batch.put(schema.tree_entry_key(self.space, listing.parent, child.name),
+                          schema.encode_dir_entry(entry))
             self._write(batch, counts)
             return changes
 
-    def _record(self, listing: Listing, child: Child, previous: Record | None) -> Record:
-        """The record of a listed entry; lock held."""
+    def _entry(self, listing: Listing, child: DirEntry, previous: DirEntry | None,
+               ) -> DirEntry:
+        """A listed entry as stored; lock held."""
         if previous is not None and previous.same_object(child):
             inode = previous.inode
         else:
             inode = self.next_inode
             self.next_inode += 1
-        return Record(inode, child.is_dir, child.key, child.size, child.mtime_ns,
-                      child.version, listing.stamp)
+        return dataclasses.replace(child, inode=inode, parent=listing.parent,
+                                   stamp=listing.stamp)
 
-    def _add_in_memory(self, listing: Listing, children: list[Child]) -> Changes:
+    def _add_in_memory(self, listing: Listing, children: list[DirEntry]) -> Changes:
         changes = Changes()
         for child in children:
             previous = listing.entries.get(child.name)
@@ -389,52 +322,52 @@ class TreeIndex:
                 changes.hidden.append(previous.key)
             else:  # keep the inode the index or an earlier listing gave it
                 previous = self.child(listing.parent, child.name)
-            listing.entries[child.name] = self._record(listing, child, previous)
+            listing.entries[child.name] = self._entry(listing, child, previous)
         return changes
 
-    def finish(self, listing: Listing, listed_at: float) -> list[tuple[str, Record]]:
+    def finish(self, listing: Listing, listed_at: float) -> list[DirEntry]:
         """The last page was stored: drop what the listing did not see, and count the
-        directory as listed; the entries that went (name, record). Raises
-        IndexUnwritable if the index refused it."""
+        directory as listed; the entries that went. Raises IndexUnwritable if the index
+        refused it."""
         with self._lock:
             if listing.in_memory:
                 return self._finish_in_memory(listing, listed_at)
             batch, counts, gone = WriteBatch(raw_mode=True), _Counts(), []
-            prefix = self._dir_prefix(listing.parent)
+            prefix = schema.tree_dir_prefix(self.space, listing.parent)
             for key, value in prefixed(self.index, prefix):
-                record = Record.unpack(value)
-                if record.stamp != listing.stamp:
+                name = key[len(prefix):].decode("utf-8", "surrogateescape")
+                entry = schema.decode_dir_entry(value, listing.parent, name)
+                if entry.stamp != listing.stamp:
                     batch.delete(key)
-                    batch.delete(self._inode_key(record.inode))
-                    counts.add(record, -1)
-                    gone.append((key[len(prefix):].decode("utf-8", "surrogateescape"),
-                                 record))
-                if len(batch) >= 20_000:
+                    batch.delete(schema.tree_inode_key(self.space, entry.inode))
+                    counts.add(entry, -1)
+                    gone.append(entry)
+                if len(batch) >= _BATCH:
                     self._write(batch, counts)
                     batch, counts = WriteBatch(raw_mode=True), _Counts()
             # Last: the directory counts as listed only once all of it is stored.
-            batch.put(self._listed_key(listing.parent), struct.pack("<d", listed_at))
+            batch.put(schema.tree_listed_key(self.space, listing.parent),
+                      schema.encode_listed_at(listed_at))
             self._write(batch, counts)
             return gone
 
-    def _finish_in_memory(self, listing: Listing, listed_at: float,
-                          ) -> list[tuple[str, Record]]:
+    def _finish_in_memory(self, listing: Listing, listed_at: float) -> list[DirEntry]:
         memory = self._memory
         parent = listing.parent
         before = memory.listings.get(parent)
         if before is None:
-            before = {name: record for name, record in self.children(parent)}
-        for record in before.values():
-            self._count(record, -1)
-            memory.locations.pop(record.inode, None)
-        for name, record in listing.entries.items():
-            self._count(record, 1)
-            memory.locations[record.inode] = (parent, name)
+            before = {entry.name: entry for entry in self.children(parent)}
+        for entry in before.values():
+            self._count(entry, -1)
+            memory.locations.pop(entry.inode, None)
+        for name, entry in listing.entries.items():
+            self._count(entry, 1)
+            memory.locations[entry.inode] = (parent, name)
             memory.changed.pop((parent, name), None)
         memory.listings[parent] = listing.entries
         memory.listed_at[parent] = listed_at
-        return [(name, record) for name, record in before.items()
-                if (now := listing.entries.get(name)) is None or now.inode != record.inode]
+        return [entry for name, entry in before.items()
+                if (now := listing.entries.get(name)) is None or now.inode != entry.inode]
 
     def _write(self, batch: WriteBatch, counts: _Counts) -> None:
         """Write a batch of a listing; its changes to the totals count once written.
@@ -447,7 +380,7 @@ class TreeIndex:
                                 (b"bytes", self.known_bytes + counts.bytes),
                                 (b"files", self.known_files + counts.files),
                                 (b"stamp", self.next_stamp)):
-                batch.put(META + self.space + name, _U64.pack(max(value, 0)))
+                batch.put(schema.tree_meta_key(self.space, name), schema.encode_counter(value))
             self.index.write(batch)
         except Exception as exc:
             self._unwritable(exc)
@@ -462,16 +395,17 @@ class TreeIndex:
             log.warning("the index cannot take writes (%s): directory listings are kept in "
                         "memory until unmount; reads go on", reason)
 
-    def _count(self, record: Record, sign: int) -> None:
+    def _count(self, entry: DirEntry, sign: int) -> None:
         self.known_files += sign
-        self.known_bytes += sign * record.size
+        self.known_bytes += sign * entry.size
 
     def forget_listings(self) -> None:
         """Every directory must be listed again (mount --refresh); inodes are kept."""
+        start = schema.tree_listed_key(self.space, 0)[:-8]
         try:
             if not self.writable:
                 raise IndexUnwritable
-            self.index.delete_range(LISTED + self.space, LISTED + self.space[:-1] + b"\1")
+            self.index.delete_range(start, schema.next_prefix(start))
         except Exception as exc:
             self._unwritable(exc)
             self._memory.forgot_listings = True

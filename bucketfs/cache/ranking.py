@@ -3,13 +3,10 @@
 Why: a tier of a million blocks must not cost a million Python objects. A policy ranks
 an entry by a tuple computed from that entry's own state alone (`RankedPolicy.rank`:
 LRFU's key is time-invariant), so the order only changes for an entry when it is
-referenced, and it can live in the index as keys that sort like the ranks:
-
-    R + rank (8 order-preserving bytes per number) + entry   evict the lowest first
-    T + miss clock, clock at the last reference + entry      cost-lrfu's "abandoned" rule
-
-An entry's record (`E`, owned by disk.py), its rank key and its recency key change
-together in one WriteBatch, so a crash never leaves them disagreeing.
+referenced, and it can live in the index as keys that sort like the ranks (schema.py):
+`R` + rank + name, lowest evicted first, and `T` + miss clock + clock + name, for
+cost-lrfu's "abandoned" rule. An entry's record (`E`, disk.py), its rank key and its
+recency key change together in one WriteBatch, so a crash never leaves them disagreeing.
 
 What stays in Python is small: the clocks (references and misses), the sum and count of
 gaps between references (cost-lrfu's staleness horizon) and the entries still in their
@@ -21,24 +18,21 @@ Not thread-safe: the SSD tier calls it under its lock.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterator
 
 from rocksdict import Rdict, WriteBatch
 
+from bucketfs.cache.schema import (
+    RANK,
+    RECENCY,
+    RECENCY_WIDTH,
+    rank_key,
+    rank_key_name,
+    recency_key,
+    recency_key_miss,
+    recency_key_name,
+)
 from bucketfs.prefetch.eviction import EntryState, RankedPolicy
-
-RANK = b"R"
-RECENCY = b"T"
-_ALL_ONES = (1 << 64) - 1
-
-
-def ordered(value: float) -> bytes:
-    """8 bytes that sort, as bytes, like the float (IEEE 754 with the sign bit flipped,
-    or every bit flipped for negative numbers)."""
-    bits = struct.unpack(">Q", struct.pack(">d", value))[0]
-    bits = bits ^ _ALL_ONES if bits >> 63 else bits | (1 << 63)
-    return bits.to_bytes(8, "big")
 
 
 class IndexRanking:
@@ -65,12 +59,11 @@ class IndexRanking:
     # --- keys --------------------------------------------------------------------------
 
     def _rank_key(self, entry: bytes, state: EntryState) -> bytes:
-        return RANK + b"".join(ordered(x) for x in self.policy.rank(state)) + entry
+        return rank_key(self.policy.rank(state), entry)
 
     @staticmethod
     def _recency_key(entry: bytes, state: EntryState) -> bytes:
-        return (RECENCY + max(state.last_miss, 0).to_bytes(8, "big")
-                + max(state.last, 0).to_bytes(8, "big") + entry)
+        return recency_key(state.last_miss, state.last, entry)
 
     def _put_keys(self, batch: WriteBatch, entry: bytes, state: EntryState) -> None:
         keys = [self._rank_key(entry, state)]
@@ -144,35 +137,36 @@ class IndexRanking:
         if self.policy.stale_after > 0 and self.gap_count:
             key = self._first_not_cooling(RECENCY, fallback=False)
             stale = self.misses - self.policy.stale_after * self.gap_sum / self.gap_count
-            if key is not None and int.from_bytes(key[1:9], "big") < stale:
+            if key is not None and recency_key_miss(key) < stale:
                 self.victim_key = key
-                return key[17:]
+                return recency_key_name(key)
         key = self._first_not_cooling(RANK, fallback=True)
         if key is None:
             return None
         self.victim_key = key
-        return key[1 + self.rank_width:]
+        return rank_key_name(key, self.rank_width)
 
     def _first_not_cooling(self, prefix: bytes, *, fallback: bool) -> bytes | None:
         """The first key under `prefix` whose entry is not in its cool-down; with
         `fallback`, the first key if all are cooling (the budget must still be kept)."""
-        width = 16 if prefix == RECENCY else self.rank_width
+        width = RECENCY_WIDTH if prefix == RECENCY else self.rank_width
         first = None
         for key in self._keys(prefix):  # at most len(cooling) keys are skipped
-            if key[1 + width:] not in self.cooling:
+            if key[len(prefix) + width:] not in self.cooling:
                 return key
             first = first or key
         return first if fallback else None
 
     def head(self) -> Iterator[tuple[bytes, bytes]]:
         """(index key, entry) in eviction order: `victim()`'s choice first, then the rank
-        order, skipping entries in their cool-down. For hinted eviction (foresight.py)."""
+        order, skipping entries in their cool-down. For hinted eviction
+        (hinted_victims.py)."""
         first = self.victim()
         if first is None:
             return
         yield self.victim_key, first
         for key in self._keys(RANK):
-            entry = key[1 + self.rank_width:]
+            entry = rank_key_name(key, self.rank_width)
             if entry != first and entry not in self.cooling:
                 yield key, entry
 
@@ -182,7 +176,7 @@ class IndexRanking:
         cool-down, a guard for entries with no history, does not apply: the future is
         known)."""
         for key in self._keys(RANK, backward=True):
-            yield key, key[1 + self.rank_width:]
+            yield key, rank_key_name(key, self.rank_width)
 
     def _keys(self, prefix: bytes, *, backward: bool = False) -> Iterator[bytes]:
         """The index keys under `prefix`, in order (or from the last one back)."""

@@ -123,7 +123,7 @@ class BlockCache:
         """Whether a tier holds the block (no I/O but one index read; trio thread)."""
         if block in self.ram.blocks or block in self.writing:
             return True
-        return self.disk is not None and block in self.disk
+        return self.disk is not None and self.disk.holds(block)
 
     async def _lookup(self, obj: ObjectRef, block: BlockId) -> bytes:
         queued = self.writing.get(block)
@@ -134,7 +134,7 @@ class BlockCache:
             self.ram.put(block, data, cost)
             return data
         if self.disk is not None:
-            found = await trio.to_thread.run_sync(self.disk.get_run, block,
+            found = await trio.to_thread.run_sync(self.disk.get, block,
                                                   self.ram.capacity // 4,
                                                   limiter=self.disk_limiter)
             if found is not None:

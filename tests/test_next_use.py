@@ -9,7 +9,7 @@ from collections.abc import Hashable, Sequence
 import pytest
 
 from bucketfs.prefetch.eviction import CostAwareLRFU, EvictionPolicy, make_policy
-from bucketfs.prefetch.future import HintedPolicy, NextUse
+from bucketfs.prefetch.next_use import HintedPolicy, NextUse
 from bucketfs.prefetch.scheduler import PrefetchScheduler
 
 SIZE = 100
@@ -223,7 +223,7 @@ def test_a_stale_filing_is_checked_before_eviction() -> None:
     assert policy.victim() == 90
     plans.observe_read(90)  # a reader skipped ahead and read it: expected next epoch
     policy.touch(90)
-    assert policy.future.next_use(90) == 29 + 50 and policy.victim() == 90
+    assert policy.next_use.next_use(90) == 29 + 50 and policy.victim() == 90
 
 
 def test_what_a_job_has_read_is_expected_in_its_next_epoch() -> None:

@@ -31,8 +31,9 @@ entries map to hinted objects through `key_of(entry)` (the daemon's entries are 
    exactly Belady's MIN: the farthest next use goes first (an entry no plan reads again
    is as good as any other such entry).
 
-`NextUse.outlook` serves the SSD tier, which cannot keep a heap per entry: it ranks a few
-candidates from the ends of its eviction order instead (bucketfs/cache/foresight.py).
+`NextUse.distance` serves the SSD tier, which cannot keep a heap per entry: it ranks a
+few candidates from the ends of its eviction order instead
+(bucketfs/cache/hinted_victims.py).
 
 Efficiency (1M entries): no scan per victim. Positions in a plan's order never change
 as its reader moves, so each (plan, cost class) keeps a max-heap of its hinted entries
@@ -106,7 +107,7 @@ class NextUse:
     def nearest(self, key: Hashable,
                 plans: list[Plan] | None = None) -> tuple[Plan, int] | None:
         """The plan and the absolute position of the nearest unread use of `key`
-        (among `plans`, a copy `forecast` already made; else the plans now)."""
+        (among `plans`, a copy `upcoming` already made; else the plans now)."""
         best: tuple[Plan, int] | None = None
         best_distance = 0
         for plan in self.plans() if plans is None else plans:
@@ -118,7 +119,7 @@ class NextUse:
                 best, best_distance = (plan, position), distance
         return best
 
-    def forecast(self, key: Hashable) -> tuple[Plan, int | None] | None:
+    def upcoming(self, key: Hashable) -> tuple[Plan, int | None] | None:
         """`nearest(key)` if some plan has an unread use of `key`; else the plan that is
         expected to read it again soonest, with None for the position; else None."""
         plans = self.plans()  # one copy for both passes
@@ -137,7 +138,7 @@ class NextUse:
     def next_use(self, key: Hashable) -> float | None:
         """Items until the next read of `key` (expected, if its plans have read it);
         None if no plan reads it."""
-        found = self.forecast(key)
+        found = self.upcoming(key)
         if found is None:
             return None
         plan, position = found
@@ -148,13 +149,13 @@ class NextUse:
         found = self.nearest(key)
         return found is not None and found[0].in_window(found[1])
 
-    def outlook(self, key: Hashable) -> tuple[bool, float] | None:
+    def distance(self, key: Hashable) -> tuple[bool, float] | None:
         """(outside every reader's window, items until the next use) for `key`, None if
-        no plan reads it: what the SSD tier ranks its candidates by (cache/foresight.py).
+        no plan reads it: what the SSD tier ranks its candidates by (cache/hinted_victims.py).
         Callable from the SSD tier's worker threads: it only reads the plans, which the
         trio thread changes meanwhile, and an answer made stale by that only costs a
         worse eviction choice."""
-        found = self.forecast(key)
+        found = self.upcoming(key)
         if found is None:
             return None
         plan, position = found
@@ -205,7 +206,7 @@ class HintedPolicy(EvictionPolicy):
     hinted future before that in `fallback`'s order, entries in a reader's window last.
     See the module docstring. `fallback` must be empty; the policy owns it."""
 
-    def __init__(self, fallback: EvictionPolicy, future: NextUse, *,
+    def __init__(self, fallback: EvictionPolicy, next_use: NextUse, *,
                  key_of: Callable[[Hashable], Hashable] = _identity,
                  cost_tolerance: float = DEFAULT_COST_TOLERANCE,
                  reference_cost_per_byte: float = REFERENCE_COST_PER_BYTE) -> None:
@@ -213,7 +214,7 @@ class HintedPolicy(EvictionPolicy):
             raise ValueError("the fallback policy must be empty")
         if cost_tolerance <= 0 or reference_cost_per_byte <= 0:
             raise ValueError("cost_tolerance and reference_cost_per_byte must be > 0")
-        self.future = future
+        self.next_use = next_use
         self.key_of = key_of
         self.cost_tolerance = cost_tolerance
         self.reference_cost_per_byte = reference_cost_per_byte
@@ -233,7 +234,7 @@ class HintedPolicy(EvictionPolicy):
         self._unfiled: dict[Hashable, None] = {}
         self._records = 0
         self._seq = 0
-        self._version = future.version
+        self._version = next_use.version
 
     # -- EvictionPolicy ---------------------------------------------------------------
     def admit(self, key: Hashable, size: int, cost: float) -> None:
@@ -273,7 +274,7 @@ class HintedPolicy(EvictionPolicy):
             if key is None:
                 return None
             filing = self._filed[key]
-            found = self.future.forecast(self.key_of(key))
+            found = self.next_use.upcoming(self.key_of(key))
             if found is not None and found[0] is filing.plan and found[1] == filing.position:
                 return key
             self._file(key, referenced=False)  # its next use moved: file it again
@@ -330,10 +331,10 @@ class HintedPolicy(EvictionPolicy):
         return (1.0 + self.cost_tolerance) ** cost_class
 
     def _file(self, key: Hashable, *, referenced: bool, push: bool = True) -> None:
-        """Put `key` where its forecast says: a heap, a group, or the fallback's copy.
+        """Put `key` where its next use says: a heap, a group, or the fallback's copy.
         `referenced`: the entry's history changed, so a copy holding it is refreshed.
         `push` False: leave the heaps to a `_compact` that follows."""
-        found = self.future.forecast(self.key_of(key))
+        found = self.next_use.upcoming(self.key_of(key))
         filing = self._filed.get(key)
         if found is None:
             if filing is not None:
@@ -377,7 +378,7 @@ class HintedPolicy(EvictionPolicy):
         one that evicts files each entry once per victim instead of once per hit. With
         no plan at all it is filed now, so that this is the fallback policy, decision
         for decision."""
-        if self.future.source.plans:
+        if self.next_use.source.plans:
             self._unfiled[key] = None
         else:
             self._file(key, referenced=True)
@@ -484,12 +485,12 @@ class HintedPolicy(EvictionPolicy):
     def _sync(self) -> None:
         """After any plan change every entry is filed again (positions of a replaced
         plan mean nothing; a new plan gives entries with no future one)."""
-        version = self.future.version
+        version = self.next_use.version
         if version == self._version:
             return
         self._version = version
         # Filings under plans that are gone are dropped wholesale, groups and all.
-        live = set(self.future.source.plans.values())
+        live = set(self.next_use.source.plans.values())
         for group_id in [g for g in self._groups if g[0] not in live]:
             del self._groups[group_id]
         for key in [k for k, filing in self._filed.items() if filing.plan not in live]:

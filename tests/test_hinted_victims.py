@@ -1,4 +1,4 @@
-"""Hinted eviction on the SSD tier (bucketfs/cache/foresight.py): candidates from both
+"""Hinted eviction on the SSD tier (bucketfs/cache/hinted_victims.py): candidates from both
 ends of the index's eviction order, ranked by the plans' future; a real DiskTier over
 RocksDB replaying shuffled epochs keeps what MIN keeps."""
 
@@ -10,9 +10,9 @@ import pytest
 
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.disk import DiskTier
-from bucketfs.cache.foresight import HintedVictims
+from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.prefetch.eviction import make_policy
-from bucketfs.prefetch.future import NextUse
+from bucketfs.prefetch.next_use import NextUse
 from bucketfs.prefetch.scheduler import PrefetchScheduler
 
 SIZE = 1000
@@ -94,7 +94,7 @@ def test_what_readers_read_is_found_along_their_plans() -> None:
     for key in "abc":
         plans.observe_read(key, job="job")
     future = NextUse(plans)
-    victims = HintedVictims(future.outlook, future.plans)
+    victims = HintedVictims(future.distance, future.plans)
     stored = {"a": [], "b": [(b"", b"b")], "c": [(b"", b"c")]}
     assert list(victims.behind(lambda key: stored.get(key, []))) == [(b"", b"b"), (b"", b"c")]
     stored["b"] = []  # evicted: the cursor moves past it next time, and past a for good
@@ -122,7 +122,7 @@ class Tier:
                              source="test", block_size=SIZE)
         self.plans = plans
         if plans is not None:
-            self.disk.foresight = HintedVictims(NextUse(plans).outlook)
+            self.disk.hinted = HintedVictims(NextUse(plans).distance)
 
     def read(self, key: str) -> bool:
         if self.plans is not None:
@@ -181,7 +181,7 @@ def test_files_in_a_reader_window_are_never_evicted(tmp_path) -> None:
     for i in range(50):
         tier.read(f"other/{i}")
     for key in window:
-        assert BlockId(key, "v1", 0, size=SIZE) in tier.disk
+        assert tier.disk.holds(BlockId(key, "v1", 0, size=SIZE))
 
 
 def test_packing_stored_files_into_a_chunk_evicts_nothing(tmp_path) -> None:
@@ -196,7 +196,7 @@ def test_packing_stored_files_into_a_chunk_evicts_nothing(tmp_path) -> None:
     assert tier.write_chunk([(b, b.key.encode().ljust(SIZE, b"."), 0.01) for b in blocks[:4]],
                             b"layout01")
     assert tier.evictions == 0
-    assert all(block in tier for block in blocks)
+    assert all(tier.holds(block) for block in blocks)
     assert tier.used == 8 * SIZE
     for block in blocks:
         assert tier.get(block)[0] == block.key.encode().ljust(SIZE, b".")

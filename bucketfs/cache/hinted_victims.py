@@ -1,6 +1,6 @@
 """The SSD tier's victims when hinted orders tell the future (hinted eviction on SSD).
 
-The RAM tier ranks every entry by its next use (prefetch/future.py `HintedPolicy`); the
+The RAM tier ranks every entry by its next use (prefetch/next_use.py `HintedPolicy`); the
 SSD tier may hold a million entries whose order lives in RocksDB (ranking.py), so it
 cannot keep a heap of them in Python. It looks at a few candidates instead, from both
 ends of the configured policy's order:
@@ -15,7 +15,7 @@ ends of the configured policy's order:
   order alone does not find it: a file read from RAM leaves its SSD rank as it was. Each
   plan keeps a cursor at the first read file still on SSD, so this costs O(1) amortised.
 
-Each candidate's future comes from `Forecast`: (outside every window, distance in items)
+Each candidate's next use comes from `Distance`: (outside every window, items until it)
 or None. A chunk (several packed files, evicted whole) is as near as its nearest member.
 The candidate with the largest (outside, distance) is evicted, unless the entry coming in
 is used no sooner: MIN would not keep it, so it is not stored on SSD (it stays in RAM
@@ -34,7 +34,7 @@ doubles, up to `MAX_WALK` from each end; if all of those are in a window too, no
 evicted and the new block is not stored on SSD (it stays in RAM): the window is being read now.
 
 Approximate by design: `WALK` candidates per end, not all entries. Runs in the SSD tier's
-worker threads under its lock; `Forecast` must be safe to call from any thread (it reads
+worker threads under its lock; `Distance` must be safe to call from any thread (it reads
 plans that the trio thread updates, and a stale answer only costs a worse choice).
 """
 
@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from bucketfs.prefetch.scheduler import Plan
 
 #: (outside every reader's window, items until the next use); None: no hinted future.
-Forecast = Callable[[str], tuple[bool, float] | None]
+Distance = Callable[[str], tuple[bool, float] | None]
 
 WALK = 8
 MAX_WALK = 1024
@@ -63,11 +63,11 @@ Candidate = tuple[bytes, bytes]
 class HintedVictims:
     """Chooses one SSD victim among a few candidates (module docstring)."""
 
-    def __init__(self, forecast: Forecast, plans: Callable[[], Sequence[Plan]] = list, *,
+    def __init__(self, distance: Distance, plans: Callable[[], Sequence[Plan]] = list, *,
                  walk: int = WALK, max_walk: int = MAX_WALK) -> None:
         if not 0 < walk <= max_walk:
             raise ValueError("need 0 < walk <= max_walk")
-        self.forecast = forecast
+        self.distance = distance
         self.plans = plans
         #: id(plan) -> (plan, position of the first file read that may still be on SSD)
         self._cursors: dict[int, tuple[Plan, int]] = {}
@@ -78,11 +78,11 @@ class HintedVictims:
         #: Entries not stored because they are used later than anything they would evict.
         self.declined = 0
 
-    def future(self, keys: Iterable[str]) -> tuple[bool, float] | None:
-        """The nearest future over `keys` (a chunk's members), None if none has one."""
+    def nearest(self, keys: Iterable[str]) -> tuple[bool, float] | None:
+        """The nearest next use over `keys` (a chunk's members), None if none has one."""
         nearest: tuple[bool, float] | None = None
         for key in keys:
-            found = self.forecast(key)
+            found = self.distance(key)
             if found is not None and (nearest is None or found < nearest):
                 nearest = found
         return nearest
@@ -132,7 +132,7 @@ class HintedVictims:
                 if candidate[1] in seen:  # the head's first pick can be anywhere
                     continue
                 seen.add(candidate[1])
-                future = self.future(keys_of(candidate[1]))
+                future = self.nearest(keys_of(candidate[1]))
                 if future is None:
                     return candidate
                 if best_future is None or future > best_future:
