@@ -25,6 +25,14 @@ Metrics (labels in braces):
   bucketfs_cache_ssd_packed_bytes             bytes of the files packed in chunk files
   bucketfs_cache_ssd_chunk_reads_total        preads of chunk files (one also brings the
                                               members after the one asked for)
+  bucketfs_cache_ssd_read_ahead_total         blocks that came into RAM with the pread of
+                                              an earlier member of their chunk
+  bucketfs_cache_ssd_refused_total            SSD evictions refused: every candidate was in
+                                              a reader's window (hinted eviction)
+  bucketfs_cache_ssd_declined_total           blocks not stored on SSD: used later than
+                                              anything they would evict (hinted, MIN's rule)
+  bucketfs_packing_chunks_written_total       chunks of small files written
+  bucketfs_packing_chunks_skipped_total       chunks not packed: the queue to the disk was full
   bucketfs_origin_requests_total{kind}        requests sent (get, head, list), retries included
   bucketfs_origin_retries_total               requests retried after a transient error
   bucketfs_origin_bytes_total                 bytes fetched from the origin
@@ -34,6 +42,10 @@ Metrics (labels in braces):
   bucketfs_readahead_inflight_bytes           bytes read-ahead has in flight now
   bucketfs_readahead_budget_bytes             most bytes read-ahead may have in flight
   bucketfs_hints_orders_total                 access orders received on the hints socket
+  bucketfs_hints_next_orders_total            next epochs' orders announced ahead
+  bucketfs_hints_refused_orders_total         orders refused: too many being resolved
+  bucketfs_hints_failed_orders_total          orders dropped: resolving them failed
+  bucketfs_hints_unknown_paths_total          hinted paths that named no file
   bucketfs_hints_files                        hinted files not yet read (all jobs' plans)
   bucketfs_prefetch_started_total             hinted files whose prefetch started
   bucketfs_prefetch_hits_total                opens that found their file prefetched
@@ -43,6 +55,8 @@ Metrics (labels in braces):
   bucketfs_prefetch_window_bytes              bytes planned ahead of the readers, unread
   bucketfs_prefetch_inflight_bytes            bytes of prefetches in flight
   bucketfs_prefetch_held_bytes                bytes prefetched and not yet read
+  bucketfs_background_failures_total          background tasks that failed (logged, the
+                                              mount went on)
 
 The ssd-tier series exist only when the mount has an SSD tier; the hints and prefetch
 series only when hinted prefetch is on (hints.prefetch_window > 0). The prefetch values
@@ -64,6 +78,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+from bucketfs import tasks
 from bucketfs.backends.store import LatencyHistogram, ObjectStore
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.prefetcher import HintedPrefetch
@@ -110,9 +125,13 @@ class MountCollector(Collector):
         yield from self._readahead()
         if self.prefetch is not None:
             yield from self._hints(self.prefetch)
+        yield CounterMetricFamily(
+            PREFIX + "background_failures_total",
+            "Background tasks that failed (each logged; the mount went on).",
+            value=tasks.failures)
 
     def _cache(self) -> Iterator[Metric]:
-        stats, ram, disk = self.cache.stats, self.cache.ram, self.cache.disk
+        stats, disk = self.cache.stats, self.cache.disk
         hits = _counter("cache_hits_total", "Block lookups served by a cache tier.", ("tier",))
         served = _counter("cache_served_bytes_total", "Bytes served from a cache tier.",
                           ("tier",))
@@ -120,17 +139,15 @@ class MountCollector(Collector):
                              ("tier",))
         used = _gauge("cache_used_bytes", "Bytes held by a cache tier.", ("tier",))
         capacity = _gauge("cache_capacity_bytes", "Byte budget of a cache tier.", ("tier",))
-        hits.add_metric(["ram"], stats.ram_hits)
-        served.add_metric(["ram"], stats.ram_bytes_served)
-        evictions.add_metric(["ram"], ram.evictions)
-        used.add_metric(["ram"], ram.used)
-        capacity.add_metric(["ram"], ram.capacity)
-        if disk is not None:
-            hits.add_metric(["ssd"], stats.disk_hits)
-            served.add_metric(["ssd"], stats.disk_bytes_served)
-            evictions.add_metric(["ssd"], disk.evictions)
-            used.add_metric(["ssd"], disk.used)
-            capacity.add_metric(["ssd"], disk.capacity)
+        served_by = {"ram": (stats.ram_hits, stats.ram_bytes_served),
+                     "ssd": (stats.disk_hits, stats.disk_bytes_served)}
+        for tier in self.cache.tiers:
+            tier_hits, tier_bytes = served_by[tier.name]
+            hits.add_metric([tier.name], tier_hits)
+            served.add_metric([tier.name], tier_bytes)
+            evictions.add_metric([tier.name], tier.evictions)
+            used.add_metric([tier.name], tier.used)
+            capacity.add_metric([tier.name], tier.capacity)
         yield from (hits, served, evictions, used, capacity)
         yield CounterMetricFamily(
             PREFIX + "cache_misses_total", "Block lookups fetched from the origin.",
@@ -164,6 +181,19 @@ class MountCollector(Collector):
                 PREFIX + "cache_ssd_chunk_reads_total",
                 "Reads (preads) of chunk files; one also brings the members after the one "
                 "asked for.", value=chunks.reads)
+            yield CounterMetricFamily(
+                PREFIX + "cache_ssd_read_ahead_total",
+                "Blocks that came into RAM with the pread of an earlier member of their "
+                "chunk.", value=stats.disk_read_ahead)
+            hinted = disk.hinted  # without hints there is nothing to refuse or decline
+            yield CounterMetricFamily(
+                PREFIX + "cache_ssd_refused_total",
+                "SSD evictions refused: every candidate was in a reader's window.",
+                value=0 if hinted is None else hinted.refused)
+            yield CounterMetricFamily(
+                PREFIX + "cache_ssd_declined_total",
+                "Blocks not stored on SSD: used later than anything they would evict.",
+                value=0 if hinted is None else hinted.declined)
 
     def _origin(self) -> Iterator[Metric]:
         counts = self.store.counts
@@ -205,9 +235,27 @@ class MountCollector(Collector):
         # A snapshot the trio thread keeps current: the scheduler itself is not
         # thread-safe, and scrapes come from the server's thread.
         stats = prefetch.last_stats
-        yield CounterMetricFamily(
-            PREFIX + "hints_orders_total", "Access orders received on the hints socket.",
-            value=prefetch.orders)
+        for name, doc, value in (
+            ("hints_orders_total", "Access orders received on the hints socket.",
+             prefetch.orders),
+            ("hints_next_orders_total", "Next epochs' orders announced ahead.",
+             prefetch.next_orders),
+            ("hints_refused_orders_total", "Orders refused: too many were being resolved.",
+             prefetch.refused_orders),
+            ("hints_failed_orders_total", "Orders dropped: resolving them failed.",
+             prefetch.failed_orders),
+            ("hints_unknown_paths_total", "Hinted paths that named no file.",
+             prefetch.unknown_paths),
+        ):
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        if prefetch.packing is not None:
+            yield CounterMetricFamily(
+                PREFIX + "packing_chunks_written_total", "Chunks of small files written.",
+                value=prefetch.packing.chunks_written)
+            yield CounterMetricFamily(
+                PREFIX + "packing_chunks_skipped_total",
+                "Chunks not packed: the queue to the disk was full.",
+                value=prefetch.packing.chunks_skipped)
         yield GaugeMetricFamily(
             PREFIX + "hints_files", "Hinted files not yet read, over all jobs' plans.",
             value=stats.hinted_items)

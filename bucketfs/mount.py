@@ -43,6 +43,7 @@ from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.disk import CacheDirError, CacheDirUnwritable, DiskTier
 from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.cache.ram import RamTier
+from bucketfs.cache.tier import CacheEvents
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config
 from bucketfs.fs import Operations
@@ -52,6 +53,7 @@ from bucketfs.metrics import build_registry, start_metrics_server
 from bucketfs.namespace import Namespace
 from bucketfs.prefetch.eviction import EvictionPolicy, make_policy
 from bucketfs.prefetch.next_use import HintedPolicy, NextUse
+from bucketfs.prefetch.scheduler import PrefetchScheduler
 from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.private import UnsafePath
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
@@ -182,9 +184,11 @@ async def _serve(
                         page_size=config.list_page_size)
     warnings: list[str] = []
     info.source = origin_identity(info.url, backend)
-    disk = open_disk_tier(info, config, warnings)
+    # The plans come first: both tiers' hinted eviction reads them.
+    hints = _Hints.make(config) if config.prefetch_window > 0 else None
+    disk = open_disk_tier(info, config, warnings, hints)
     try:
-        await _serve_with(info, store, disk, ready, warnings)
+        await _serve_with(info, store, disk, hints, ready, warnings)
     finally:
         if disk is not None:
             disk.close()
@@ -208,7 +212,7 @@ async def _check_access(backend: Backend, namespace: Namespace) -> None:
 
 
 async def _serve_with(
-    info: MountInfo, store: ObjectStore, disk: DiskTier | None,
+    info: MountInfo, store: ObjectStore, disk: DiskTier | None, hints: _Hints | None,
     ready: Callable[[list[str]], None], warnings: list[str],
 ) -> None:
     config = info.config
@@ -216,14 +220,14 @@ async def _serve_with(
                           index=disk.index if disk is not None else None,
                           space=info.source, on_gone=_kernel_forgets_name)
     try:
-        await _serve_namespace(info, store, disk, namespace, ready, warnings)
+        await _serve_namespace(info, store, disk, hints, namespace, ready, warnings)
     finally:
         namespace.close()
 
 
 async def _serve_namespace(
-    info: MountInfo, store: ObjectStore, disk: DiskTier | None, namespace: Namespace,
-    ready: Callable[[list[str]], None], warnings: list[str],
+    info: MountInfo, store: ObjectStore, disk: DiskTier | None, hints: _Hints | None,
+    namespace: Namespace, ready: Callable[[list[str]], None], warnings: list[str],
 ) -> None:
     config = info.config
     if config.refresh:
@@ -236,26 +240,23 @@ async def _serve_namespace(
         raise MountError(str(exc)) from None
     hints_gid = hints_group(config)
     async with trio.open_nursery() as nursery:
-        prefetch, ram_policy = None, eviction_policy(config)
-        if config.prefetch_window > 0:
-            prefetch = hinted_prefetch(namespace, config)
-            # Evict what the plans read farthest ahead; unhinted blocks by the policy.
-            next_use = NextUse(prefetch.scheduler)
-            ram_policy = HintedPolicy(ram_policy, next_use, key_of=_file_of_block)
-            if disk is not None:  # the SSD tier too, from a few candidates per victim
-                disk.hinted = HintedVictims(next_use.distance, next_use.plans)
+        ram_policy = eviction_policy(config)
+        if hints is not None:  # evict what the plans read farthest ahead
+            ram_policy = HintedPolicy(ram_policy, hints.next_use, key_of=_file_of_block)
         cache = BlockCache(
-            store, RamTier(config.ram_cache, ram_policy),
+            store, RamTier(config.ram_cache, ram_policy, CacheEvents()),
             disk, block_size=config.block_size, nursery=nursery,
         )
+        prefetch = None if hints is None else HintedPrefetch(
+            namespace, cache, hints.scheduler,
+            connections=min(config.prefetch_connections, max(1, config.max_connections - 2)),
+            block_size=config.block_size)
         reader = Reader(
             cache, ByteBudget(config.readahead_budget),
-            ReadSettings(readahead_max=config.readahead_max),
-            nursery,
+            ReadSettings(readahead_max=config.readahead_max), nursery,
+            on_open=None if prefetch is None else prefetch.observed_open,
         )
         if prefetch is not None:
-            prefetch.attach(cache)
-            reader.on_open = prefetch.observed_open
             await nursery.start(prefetch.run)
         if config.metrics_port:
             try:
@@ -303,15 +304,21 @@ async def _serve_namespace(
         nursery.cancel_scope.cancel()
 
 
-def hinted_prefetch(namespace: Namespace, config: Config) -> HintedPrefetch:
-    # Prefetched bytes wait in RAM for their reader: they must not crowd out the rest.
-    room = max(1, config.ram_cache // 2)
-    return HintedPrefetch(
-        namespace, window_bytes=max(1, min(config.prefetch_window, room)),
-        budget_bytes=max(1, min(config.prefetch_budget, room)),
-        connections=min(config.prefetch_connections, max(1, config.max_connections - 2)),
-        block_size=config.block_size,
-    )
+@dataclass(frozen=True, slots=True)
+class _Hints:
+    """The hinted orders' plans, and their next uses as both tiers' eviction reads them."""
+
+    scheduler: PrefetchScheduler
+    next_use: NextUse
+
+    @classmethod
+    def make(cls, config: Config) -> _Hints:
+        # Prefetched bytes wait in RAM for their reader: they must not crowd out the rest.
+        room = max(1, config.ram_cache // 2)
+        scheduler = PrefetchScheduler(
+            window_bytes=max(1, min(config.prefetch_window, room)),
+            budget_bytes=max(1, min(config.prefetch_budget, room)))
+        return cls(scheduler, NextUse(scheduler))
 
 
 def hints_group(config: Config) -> int | None:
@@ -359,16 +366,21 @@ def eviction_policy(config: Config) -> EvictionPolicy:
     return make_policy(config.eviction, cooldown=config.eviction_cooldown)
 
 
-def open_disk_tier(info: MountInfo, config: Config, warnings: list[str]) -> DiskTier | None:
+def open_disk_tier(info: MountInfo, config: Config, warnings: list[str],
+                   hints: _Hints | None = None) -> DiskTier | None:
     """The SSD tier, or None: without a cache_dir, or (with a warning) when the directory
-    cannot take writes. A directory another mount holds is an error."""
+    cannot take writes. A directory another mount holds is an error. With hints, its
+    victims are chosen by their next use, from a few candidates per victim."""
     if config.cache_dir is None:
         return None
+    hinted = None if hints is None else HintedVictims(hints.next_use.distance,
+                                                      hints.next_use.plans)
     try:
         disk = DiskTier(
             config.cache_dir, config.disk_cache, eviction_policy(config),
             source=info.source, block_size=config.block_size,
             free_floor=config.disk_free_floor, group=group_id(config, "cache_group"),
+            hinted=hinted,
         )
         warnings.extend(disk.warnings)
         return disk

@@ -32,7 +32,6 @@ thread under the cache's disk limiter.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 from collections.abc import Hashable, Iterable
@@ -42,7 +41,7 @@ import trio
 
 from bucketfs.cache.blocks import BlockId, ObjectRef
 from bucketfs.cache.tiered import BlockCache
-from bucketfs.prefetch.packing import (
+from bucketfs.prefetch.layout import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_SMALL_LIMIT,
     ChunkPlan,
@@ -52,10 +51,9 @@ from bucketfs.prefetch.packing import (
 
 log = logging.getLogger(__name__)
 
-#: How long a chunk's writer waits for a file opened but not read yet, and how often it
-#: looks: a background write, so a short wait costs nothing, and packing never GETs.
+#: How long a chunk's writer waits for a file opened but not read yet: a background
+#: write, so a short wait costs nothing, and packing never GETs.
 _READ_GRACE_S = 0.2
-_READ_POLL_S = 0.01
 
 #: Complete chunks waiting to be written (keys only: the bytes are gathered when one is
 #: written). Past that a chunk is not packed and its files stay block files: a disk that
@@ -88,9 +86,7 @@ class ChunkPacking:
 
     def __init__(self, cache: BlockCache, objects: dict[str, ObjectRef],
                  block_size: int) -> None:
-        assert cache.disk is not None
         self.cache = cache
-        self.disk = cache.disk
         self.objects = objects
         # A packed file is one cache entry (one block).
         self.small_limit = min(DEFAULT_SMALL_LIMIT, block_size + 1)
@@ -150,9 +146,9 @@ class ChunkPacking:
         state = self.jobs.get(job)
         obj = self.objects.get(key)
         if state is None or obj is None or not 0 < obj.size < self.small_limit \
-                or not self.disk.writable:
+                or not self.cache.packs:
             return
-        layout = self.disk.packed_layout(BlockId(obj.key, obj.version, 0, size=obj.size))
+        layout = self.cache.packed_layout(BlockId(obj.key, obj.version, 0, size=obj.size))
         packer = state.packer
         if layout is not None and not packer.expecting:  # else the next order decides
             if layout == state.layout:
@@ -167,7 +163,7 @@ class ChunkPacking:
         obj = self.objects.get(key)
         if obj is None:
             return None
-        return self.disk.packed_layout(BlockId(obj.key, obj.version, 0, size=obj.size))
+        return self.cache.packed_layout(BlockId(obj.key, obj.version, 0, size=obj.size))
 
     def _queue(self, chunks: list[ChunkPlan], layout: bytes) -> None:
         for chunk in chunks:
@@ -185,32 +181,6 @@ class ChunkPacking:
             except Exception:  # a bug here must not take the mount down
                 log.exception("packing: a chunk was not written")
 
-    async def _bytes(self, obj: ObjectRef, block: BlockId,
-                     deadline: float) -> tuple[bytes, float] | None:
-        """A member's bytes and cost, if the SSD tier keeps the file: from RAM, the
-        write-through queue, the fetch under way or its block on SSD; never a GET of its
-        own. Packing lays out what the SSD tier keeps and never decides what it keeps: a
-        file it did not store (hinted eviction keeps what readers have yet to read) is
-        left out. A chunk is complete when its last file is opened, and that file's read
-        may not have started yet: it gets until `deadline` to show up."""
-        while True:
-            if block in self.cache.inflight:
-                with contextlib.suppress(Exception):  # the reader sees its own error
-                    await self.cache.get(obj, 0)  # joins that fetch
-            queued = self.cache.writing.get(block)
-            if queued is not None:  # on its way to SSD
-                return queued
-            if self.disk.holds(block):
-                held = self.cache.held(block)
-                if held is None:
-                    found = await trio.to_thread.run_sync(self.disk.get, block,
-                                                          limiter=self.cache.disk_limiter)
-                    held = None if found is None else found[:2]
-                return held
-            if self.cache.held(block) is not None or trio.current_time() >= deadline:
-                return None  # read, and not stored on SSD; or not read in time
-            await trio.sleep(_READ_POLL_S)
-
     async def _write(self, chunk: ChunkPlan, layout: bytes,
                      objs: tuple[ObjectRef | None, ...]) -> None:
         blocks = []
@@ -219,9 +189,11 @@ class ChunkPacking:
             if obj is None or obj.size != file.length:
                 continue
             block = BlockId(obj.key, obj.version, 0, size=obj.size)
-            held = await self._bytes(obj, block, deadline)
-            if held is not None:
-                blocks.append((block, *held))
-        if blocks and await trio.to_thread.run_sync(
-                self.disk.write_chunk, blocks, layout, limiter=self.cache.disk_limiter):
+            # Packing lays out what the SSD tier keeps, never decides what it keeps: a
+            # file it did not store (hinted eviction keeps what readers have yet to
+            # read) is left out. Never a GET of its own.
+            kept = await self.cache.kept(obj, block, deadline)
+            if kept is not None:
+                blocks.append((block, kept.data, kept.cost))
+        if blocks and await self.cache.write_chunk(blocks, layout):
             self.chunks_written += 1

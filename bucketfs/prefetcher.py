@@ -49,8 +49,9 @@ from bucketfs.cache.tiered import BlockCache
 from bucketfs.hints.protocol import Order
 from bucketfs.namespace import Namespace
 from bucketfs.packer import ChunkPacking, layout_tag
-from bucketfs.prefetch.packing import NextPlan
-from bucketfs.prefetch.scheduler import AdaptiveConcurrency, PrefetchScheduler, PrefetchStats
+from bucketfs.prefetch.concurrency import AdaptiveConcurrency
+from bucketfs.prefetch.layout import NextPlan
+from bucketfs.prefetch.scheduler import PrefetchScheduler, PrefetchStats
 from bucketfs.tasks import failed, start_guarded
 
 log = logging.getLogger(__name__)
@@ -87,10 +88,13 @@ class _Announced:
 
 class HintedPrefetch:
     def __init__(
-        self, namespace: Namespace, *, window_bytes: int, budget_bytes: int,
+        self, namespace: Namespace, cache: BlockCache, scheduler: PrefetchScheduler, *,
         connections: int, block_size: int,
     ) -> None:
+        """`scheduler` is made first: the caches' hinted eviction reads its plans."""
         self.namespace = namespace
+        self.cache = cache
+        self.scheduler = scheduler
         self.block_size = block_size
         self.connections = max(1, connections)
         # Start low and add GETs while they still raise the throughput (DLCache: enough
@@ -99,14 +103,13 @@ class HintedPrefetch:
         self.concurrency = AdaptiveConcurrency(
             minimum=min(4, self.connections), maximum=self.connections,
             initial=min(4, self.connections), period_s=0.5)
-        self.scheduler = PrefetchScheduler(window_bytes=window_bytes,
-                                           budget_bytes=budget_bytes, is_cached=self._cached)
-        self.cache: BlockCache | None = None
-        self._origin_bytes = 0  # the cache's origin bytes when a fetch last ended
+        # The cache's origin bytes when a fetch last ended.
+        self._origin_bytes = cache.stats.origin_bytes
         self._target_logged = self.concurrency.target
-        self.packing: ChunkPacking | None = None
         #: Object key -> the version an order resolved it to (what prefetch fetches).
         self.objects: dict[str, ObjectRef] = {}
+        self.packing = ChunkPacking(cache, self.objects, block_size) if cache.packs else None
+        cache.events.on_evicted(self._ram_evicted)
         self._tasks: dict[str, trio.CancelScope] = {}
         self._generation: dict[Hashable, int] = {}
         self._generations = itertools.count(1)
@@ -135,16 +138,6 @@ class HintedPrefetch:
         #: The scheduler's counters as of the last event (read by the metrics thread).
         self.last_stats: PrefetchStats = self.scheduler.stats()
 
-    # --- wiring -------------------------------------------------------------------------
-
-    def attach(self, cache: BlockCache) -> None:
-        """The cache exists after the RAM tier, whose policy needs the scheduler."""
-        self.cache = cache
-        self._origin_bytes = cache.stats.origin_bytes
-        cache.ram.on_evict = self._ram_evicted
-        if cache.disk is not None:
-            self.packing = ChunkPacking(cache, self.objects, self.block_size)
-
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -168,7 +161,7 @@ class HintedPrefetch:
             self._target_logged = target
         free = target - len(self._tasks)
         if free > 0:
-            for key in self.scheduler.next_fetches(free):
+            for key in self.scheduler.next_fetches(free, self._cached):
                 start_guarded(nursery, "a prefetch", self._fetch, key)
 
     def _poke(self) -> None:
@@ -411,14 +404,14 @@ class HintedPrefetch:
 
     def _cached(self, key: Hashable) -> bool:
         obj = self.objects.get(key)  # type: ignore[call-overload]
-        if obj is None or self.cache is None:
+        if obj is None:
             return False
         return all(self.cache.holds(BlockId(obj.key, obj.version, i, size=obj.size))
                    for i in self._blocks(obj))
 
     def _ram_evicted(self, block: BlockId) -> None:
         # With an SSD tier every fetched block was written through: still cached.
-        if self.cache is not None and self.cache.disk is None and block.key in self.objects:
+        if not self.cache.writes_through and block.key in self.objects:
             self.scheduler.evicted(block.key)
 
     def _cancel(self, keys: list[Hashable]) -> None:
@@ -428,7 +421,6 @@ class HintedPrefetch:
                 scope.cancel()
 
     async def _fetch(self, key: str) -> None:
-        assert self.cache is not None
         outcome = self.scheduler.cancelled
         started = trio.current_time()
         with trio.CancelScope() as scope:

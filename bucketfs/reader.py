@@ -69,16 +69,17 @@ class Reader:
 
     def __init__(
         self, cache: BlockCache, budget: ByteBudget, settings: ReadSettings,
-        nursery: trio.Nursery,
+        nursery: trio.Nursery, *, on_open: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_open(key)`: told of every opened file (hinted prefetch follows the
+        readers by it)."""
         self.cache = cache
         self.block_size = cache.block_size
         self.budget = budget
         self.settings = settings
         self.nursery = nursery
         self.prefetches = 0
-        #: Told of every opened file (hinted prefetch follows the readers by it).
-        self.on_open: Callable[[str], None] | None = None
+        self.on_open = on_open
 
     def open(self, key: str, version: str, size: int) -> OpenFile:
         if self.on_open is not None:
@@ -112,7 +113,7 @@ class Reader:
         if handle.last is not None and handle.last[0] == index:
             return handle.last[1]
         data = await self.cache.get(handle.obj, index)
-        if len(data) > self.cache.ram.capacity:
+        if not self.cache.keeps_in_ram(len(data)):
             handle.last = (index, data)
         return data
 
@@ -122,7 +123,7 @@ class Reader:
         index = first
         while index * self.block_size < min(until, obj.size):
             start, end = block_span(obj.size, self.block_size, index)
-            if end - start > self.cache.ram.capacity:
+            if not self.cache.keeps_in_ram(end - start):
                 break  # nowhere to keep it until the reader gets there: it would be fetched twice
             if not self.budget.try_acquire(end - start):
                 break

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class ReadaheadPlan:
-    #: Read [demand_start, demand_end) now; the caller already knows these bytes are needed.
-    #: Then fetch ahead up to `fetch_until` (exclusive), if that is past what is buffered.
+    #: Fetch ahead up to here (exclusive), if that is past what is buffered; the read's
+    #: own bytes are the caller's to fetch.
     fetch_until: int
+    #: False: a seek, read-ahead starts over after this read.
     sequential: bool
 
 

@@ -27,19 +27,18 @@ The policy:
 - The budget: bytes in flight plus bytes fetched by prefetch and not yet read, over all
   jobs together, stay within `budget_bytes` (one object larger than the budget may go
   when nothing else is held, so a huge file cannot stall the plan forever).
-- Priorities: keys a reader is blocked on (`demand`) first, ignoring window and budget;
-  then planned items nearest to their job's reader (distance in items), merged across
-  jobs so equal distances alternate between jobs: a job with a huge order cannot starve
-  another. A key is never started twice: not while in flight, not once fetched, and not
-  when `is_cached(key)` says the cache already holds it. Jobs that plan the same key
+- Priorities: planned items nearest to their job's reader (distance in items), merged
+  across jobs so equal distances alternate between jobs: a job with a huge order cannot
+  starve another. (A reader that misses fetches its block itself, through the cache's
+  single flight: prefetch has nothing to add to that.) A key is never started twice:
+  not while in flight, not once fetched, and not when `is_cached(key)` says the cache
+  already holds it. Jobs that plan the same key
   share one fetch.
 - A new order for a job (`set_order`) replaces its plan; what only the old plan wanted
   and has not started is dropped, and the keys in flight that no plan wants any more
   are returned so the daemon can cancel them.
 
-`AdaptiveConcurrency` says how many GETs to keep in flight (DLCache: enough workers
-that t_fetch / t_req of them cover the reader; here: the fewest that carry as much as
-more would), from fetch durations passed in with their timestamps.
+How many GETs to keep in flight is `concurrency.AdaptiveConcurrency`'s to say.
 
 Everything is pure and deterministic: no clocks, no I/O, no threads. The daemon calls it
 from one thread (trio's), between awaits.
@@ -49,13 +48,11 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import math
 from array import array
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 __all__ = [
-    "AdaptiveConcurrency",
     "Plan",
     "PrefetchScheduler",
     "PrefetchStats",
@@ -168,7 +165,6 @@ class PrefetchStats:
     #: Prefetched objects evicted before anyone read them.
     wasted_prefetches: int
     prefetches_started: int
-    demand_fetches_started: int
     failed_fetches: int
 
 
@@ -186,12 +182,11 @@ class PrefetchScheduler:
       until then `future.HintedPolicy` expects the job to read its files again next
       epoch); all three return keys in flight that nobody needs any more: cancel them;
     - the read path, once per file read (on the first read of an open handle), before
-      the cache lookup: `observe_read(key)`; on a miss it is about to wait for:
-      `demand(key, size)`;
+      the cache lookup: `observe_read(key)`;
     - the prefetch task, whenever a fetch ends, an order arrives or a read was observed
-      (the window refills as the reader moves): `next_fetches(limit)` with `limit` =
-      the concurrency target minus the fetches in flight, then for each key it started
-      exactly one of `fetched`, `failed` or `cancelled`;
+      (the window refills as the reader moves): `next_fetches(limit, is_cached)` with
+      `limit` = the concurrency target minus the fetches in flight, then for each key
+      it started exactly one of `fetched`, `failed` or `cancelled`;
     - the cache, when an object leaves it entirely (no tier holds it any more):
       `evicted(key)`.
 
@@ -202,22 +197,19 @@ class PrefetchScheduler:
     """
 
     def __init__(self, *, window_bytes: int, budget_bytes: int,
-                 lookahead: int = DEFAULT_LOOKAHEAD,
-                 is_cached: Callable[[Key], bool] = _never_cached) -> None:
+                 lookahead: int = DEFAULT_LOOKAHEAD) -> None:
         if window_bytes <= 0 or budget_bytes <= 0 or lookahead <= 0:
             raise ValueError("window_bytes, budget_bytes and lookahead must be > 0")
         self.window_bytes = window_bytes
         self.budget_bytes = budget_bytes
         self.lookahead = lookahead
-        self.is_cached = is_cached
         self.plans: dict[Hashable, Plan] = {}
         #: Bumped whenever a plan is added, replaced, extended or dropped; positions
         #: within a plan never change, so this is all `future.NextUse` needs to watch.
         self.plans_version = 0
         self._claims: dict[Key, int] = {}  # key -> unread window slots holding it
-        self._inflight: dict[Key, tuple[int, bool]] = {}  # key -> (bytes, for a demand)
+        self._inflight: dict[Key, int] = {}  # key -> bytes
         self._held: dict[Key, int] = {}  # fetched by us, still claimed -> bytes
-        self._demand: dict[Key, int] = {}  # keys readers wait on, oldest first -> bytes
         # Prefetches in flight that lost their last claim during the current order
         # change (a read releasing a claim is not one: a reader waits on that fetch).
         self._orphans: list[Key] = []
@@ -227,7 +219,6 @@ class PrefetchScheduler:
         self.late_prefetches = 0
         self.wasted_prefetches = 0
         self.prefetches_started = 0
-        self.demand_fetches_started = 0
         self.failed_fetches = 0
 
     # -- orders -----------------------------------------------------------------------
@@ -273,7 +264,7 @@ class PrefetchScheduler:
         prefetch hit or a late prefetch. Keys in no plan only count."""
         if key in self._held:
             self.prefetch_hits += 1
-        elif key in self._inflight and not self._inflight[key][1]:
+        elif key in self._inflight:
             self.late_prefetches += 1
         if job is None:
             plans: Iterable[Plan] = self.plans.values()
@@ -285,34 +276,21 @@ class PrefetchScheduler:
             if position is not None:
                 self._mark_read(plan, position)
 
-    def demand(self, key: Key, size: int) -> None:
-        """A reader waits on `key`, which is not cached: fetch it before anything else,
-        whatever the window and the budget. Nothing to do if it is already in flight."""
-        if key not in self._inflight:
-            self._demand[key] = size
-
     # -- fetching ---------------------------------------------------------------------
-    def next_fetches(self, limit: int) -> list[Key]:
+    def next_fetches(self, limit: int,
+                     is_cached: Callable[[Key], bool] = _never_cached) -> list[Key]:
         """Up to `limit` keys to start now, most urgent first; each is in flight from
-        now on until `fetched`, `failed` or `cancelled` is called for it."""
+        now on until `fetched`, `failed` or `cancelled` is called for it. Keys for which
+        `is_cached` says so are not started (see the class docstring)."""
         started: list[Key] = []
-        while self._demand and len(started) < limit:
-            key = next(iter(self._demand))
-            size = self._demand.pop(key)
-            if key in self._inflight or self.is_cached(key):
-                continue
-            self._start(key, size, demanded=True)
-            started.append(key)
-        if len(started) < limit:
-            self._start_planned(limit - len(started), started)
+        self._start_planned(limit, started, is_cached)
         return started
 
     def fetched(self, key: Key) -> None:
         """A fetch started by `next_fetches` finished: the object is in the cache."""
-        entry = self._inflight.pop(key, None)
-        if entry is None:
+        size = self._inflight.pop(key, None)
+        if size is None:
             return
-        size, _ = entry
         self.inflight_bytes -= size
         if self._claims.get(key) and key not in self._held:
             self._held[key] = size
@@ -351,7 +329,6 @@ class PrefetchScheduler:
             late_prefetches=self.late_prefetches,
             wasted_prefetches=self.wasted_prefetches,
             prefetches_started=self.prefetches_started,
-            demand_fetches_started=self.demand_fetches_started,
             failed_fetches=self.failed_fetches,
         )
 
@@ -422,14 +399,12 @@ class PrefetchScheduler:
         size = self._held.pop(key, None)
         if size is not None:
             self.held_bytes -= size  # read (or given up): the budget is free again
-        entry = self._inflight.get(key)
-        if entry is not None and not entry[1]:
+        if key in self._inflight:
             self._orphans.append(key)
 
     def _take_orphans(self) -> list[Key]:
         orphans = [key for key in dict.fromkeys(self._orphans)
-                   if key in self._inflight and not self._claims.get(key)
-                   and not self._inflight[key][1]]
+                   if key in self._inflight and not self._claims.get(key)]
         self._orphans.clear()
         return orphans
 
@@ -440,21 +415,18 @@ class PrefetchScheduler:
                 heapq.heappush(plan.pending, position)
 
     def _finish(self, key: Key) -> bool:
-        entry = self._inflight.pop(key, None)
-        if entry is None:
+        size = self._inflight.pop(key, None)
+        if size is None:
             return False
-        self.inflight_bytes -= entry[0]
+        self.inflight_bytes -= size
         return True
 
-    def _start(self, key: Key, size: int, *, demanded: bool) -> None:
-        self._inflight[key] = (size, demanded)
+    def _start(self, key: Key, size: int) -> None:
+        self._inflight[key] = size
         self.inflight_bytes += size
-        if demanded:
-            self.demand_fetches_started += 1
-        else:
-            self.prefetches_started += 1
+        self.prefetches_started += 1
 
-    def _head(self, plan: Plan) -> int | None:
+    def _head(self, plan: Plan, is_cached: Callable[[Key], bool]) -> int | None:
         """The plan's nearest planned position that still needs a fetch; drops the
         ones that do not (read, in flight, fetched, cached)."""
         pending = plan.pending
@@ -462,27 +434,28 @@ class PrefetchScheduler:
             position = pending[0]
             key = plan.keys[position]
             if (plan.is_read(position) or key in self._inflight or key in self._held
-                    or self.is_cached(key)):
+                    or is_cached(key)):
                 heapq.heappop(pending)
                 continue
             return position
         return None
 
-    def _start_planned(self, limit: int, started: list[Key]) -> None:
+    def _start_planned(self, limit: int, started: list[Key],
+                       is_cached: Callable[[Key], bool]) -> None:
         # A k-way merge of the plans' pending heaps by distance from each reader; among
         # equal distances the plan served fewer times in this call goes first.
         served = dict.fromkeys(self.plans, 0)
         order = {job: i for i, job in enumerate(self.plans)}
         heads: list[tuple[int, int, int, Hashable]] = []
         for job, plan in self.plans.items():
-            position = self._head(plan)
+            position = self._head(plan, is_cached)
             if position is not None:
                 heads.append((position - plan.position, 0, order[job], job))
         heapq.heapify(heads)
         while heads and limit > 0:
             _, _, rank, job = heapq.heappop(heads)
             plan = self.plans[job]
-            position = self._head(plan)  # another plan's start may have taken its key
+            position = self._head(plan, is_cached)  # another plan's start took its key?
             if position is None:
                 continue
             size = plan.sizes[position]
@@ -491,152 +464,10 @@ class PrefetchScheduler:
                 return  # strict priority: nothing farther jumps the queue
             heapq.heappop(plan.pending)
             key = plan.keys[position]
-            self._start(key, size, demanded=False)
+            self._start(key, size)
             started.append(key)
             limit -= 1
             served[job] += 1
-            position = self._head(plan)
+            position = self._head(plan, is_cached)
             if position is not None:
                 heapq.heappush(heads, (position - plan.position, served[job], rank, job))
-
-
-class AdaptiveConcurrency:
-    """How many GETs to keep in flight: the fewest that carry about as many bytes per
-    second as more would.
-
-    Why the fewest: on a link that is already full, one more GET does not add
-    throughput, it splits the bandwidth further, so every file, the one a reader needs
-    next included, arrives later. (Measured on a 50 Mbit/s link: with a rule that
-    climbed to 24 GETs a GPU-bound loop waited 16% of its cold epoch; with 4 GETs, 7%.)
-
-    Time is cut into periods of `period_s` (timestamps are passed in). A period counts
-    when the fetches kept the GETs busy (mean GETs in flight, the sum of fetch durations
-    over the period, at least `saturation` * target); one where they were not says
-    nothing about the link (the readers did not need more) and changes nothing.
-    - Holding a level, its throughput is the mean of its latest counted periods. Every
-      `probe_every` counted periods it tries another level for `trial_periods` counted
-      periods, alternately one step up (x `step`, at least +1) and one step down.
-    - A step up stays if the throughput grew by at least `min_gain`, and then it climbs
-      again at once; otherwise it goes back. A fresh controller starts by climbing, one
-      period per step, until a step does not pay: it can start low and still reach a
-      long link's level within seconds.
-    - A step down stays if the throughput fell by less than `min_gain` (the link was
-      full with fewer), and then it descends again at once; otherwise it goes back.
-      The asymmetry is deliberate: noise alone rarely passes a step up and usually
-      passes a step down, so noise drifts the level down to the knee, not up.
-    - A period with a failed fetch halves the target (at least `minimum`): errors and
-      throttling (S3 SlowDown) mean too many requests.
-
-    This is DLCache's rule (workers >= t_fetch / t_req) without knowing either time: it
-    settles near fetch latency x link bandwidth / object size.
-    """
-
-    def __init__(self, *, minimum: int = 2, maximum: int = 64, initial: int | None = None,
-                 period_s: float = 1.0, min_gain: float = 0.05, step: float = 1.5,
-                 probe_every: int = 10, trial_periods: int = 2,
-                 saturation: float = 0.75) -> None:
-        if not 1 <= minimum <= maximum:
-            raise ValueError("need 1 <= minimum <= maximum")
-        if period_s <= 0 or min_gain < 0 or step <= 1 or probe_every < 1 \
-                or trial_periods < 1:
-            raise ValueError("need period_s > 0, min_gain >= 0, step > 1, probe_every >= 1, "
-                             "trial_periods >= 1")
-        self.minimum = minimum
-        self.maximum = maximum
-        self.period_s = period_s
-        self.min_gain = min_gain
-        self.step = step
-        self.probe_every = probe_every
-        self.trial_periods = trial_periods
-        self.saturation = saturation
-        self.target = min(maximum, max(minimum, initial if initial is not None else minimum))
-        self._level = self.target  # the level held (a trial returns to it if it fails)
-        self._held: list[float] = []  # throughputs of the latest counted periods at it
-        self._counted = 0  # counted periods since it was last taken up
-        self._trial: list[float] | None = None  # throughputs of the level on trial
-        self._climbing = True  # the direction of the trial under way or next
-        # Until the first step that does not pay: climb at once, one period per step.
-        self._fresh = True
-        self._period_start: float | None = None
-        self._bytes = 0
-        self._busy_s = 0.0
-        self._errors = 0
-
-    def record(self, started: float, finished: float, nbytes: int, *, ok: bool = True) -> int:
-        """One fetch ended (successfully or not); `nbytes` came over the link since the
-        last call (this fetch's, or also other GETs' sharing the link). Returns the
-        current target."""
-        self.update(finished)
-        if ok:
-            self._bytes += nbytes
-        else:
-            self._errors += 1
-        self._busy_s += max(0.0, finished - started)
-        return self.target
-
-    def update(self, now: float) -> int:
-        """Close the periods that ended by `now`. Returns the current target."""
-        if self._period_start is None:
-            self._period_start = now
-            return self.target
-        if now < self._period_start + self.period_s:
-            return self.target
-        self._close_period()
-        self._period_start += self.period_s
-        if now >= self._period_start + self.period_s:
-            # Idle periods in between carry no evidence: skip to the one holding `now`.
-            skipped = math.floor((now - self._period_start) / self.period_s)
-            self._period_start += skipped * self.period_s
-        return self.target
-
-    def _close_period(self) -> None:
-        busy = self._busy_s / self.period_s
-        throughput = self._bytes / self.period_s
-        errors = self._errors
-        self._bytes, self._busy_s, self._errors = 0, 0.0, 0
-        if errors:
-            self._hold(max(self.minimum, self.target // 2), [])
-            self._fresh = False
-            return
-        if busy < self.saturation * self.target:
-            return  # demand-limited: no evidence about the link
-        if self._trial is None:
-            self._held = [*self._held, throughput][-self.probe_every:]
-            self._counted += 1
-            if self._fresh or self._counted >= self.probe_every:
-                self._try(climbing=self._climbing)
-            return
-        self._trial.append(throughput)
-        if len(self._trial) < (1 if self._fresh else self.trial_periods):
-            return
-        tried = sum(self._trial) / len(self._trial)
-        base = sum(self._held) / len(self._held) if self._held else 0.0
-        if self._climbing:
-            kept = tried >= base * (1 + self.min_gain)
-        else:
-            kept = tried > base * (1 - self.min_gain)
-        if kept:
-            self._hold(self.target, self._trial)
-            self._try(climbing=self._climbing)  # the same way again, at once
-        else:
-            self._hold(self._level, self._held)
-            self._climbing = not self._climbing  # next time, the other way
-            self._fresh = False
-
-    def _hold(self, level: int, samples: list[float]) -> None:
-        self.target = self._level = level
-        self._held = list(samples)
-        self._counted = 0
-        self._trial = None
-
-    def _try(self, *, climbing: bool) -> None:
-        """Put the next level up (or down) on trial; at a bound, the other way."""
-        up = min(self.maximum, max(self.target + 1, math.ceil(self.target * self.step)))
-        down = max(self.minimum, min(self.target - 1, math.floor(self.target / self.step)))
-        if (up if climbing else down) == self.target:
-            climbing = not climbing
-        level = up if climbing else down
-        self._climbing = climbing
-        if level == self.target:
-            return  # minimum == maximum: nothing to try
-        self.target, self._trial = level, []

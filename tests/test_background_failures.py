@@ -110,7 +110,7 @@ def test_a_bug_in_planning_prefetches_stalls_hints_not_the_mount(monkeypatch, ca
     backend = MemoryBackend(objects)
 
     async def body(prefetch, read):
-        def broken(free):
+        def broken(free, is_cached=None):
             raise RuntimeError("a bug in next_fetches")
 
         monkeypatch.setattr(prefetch.scheduler, "next_fetches", broken)

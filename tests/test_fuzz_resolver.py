@@ -20,9 +20,13 @@ from hypothesis import strategies as st
 
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
+from bucketfs.cache.ram import RamTier
+from bucketfs.cache.tiered import BlockCache
 from bucketfs.hints.protocol import End, Order, Reply, encode
 from bucketfs.hints_server import serve_hints
 from bucketfs.namespace import Namespace
+from bucketfs.prefetch.eviction import make_policy
+from bucketfs.prefetch.scheduler import PrefetchScheduler
 from bucketfs.prefetcher import HintedPrefetch
 from tests.fuzzing import fuzz, one_line
 from tests.membackend import MemoryBackend
@@ -65,8 +69,12 @@ def order_paths(draw: st.DrawFn, tree: dict[str, str]) -> list[str]:
 def resolver(objects: dict[str, bytes], prefix: str) -> tuple[MemoryBackend, HintedPrefetch]:
     backend = MemoryBackend(objects)
     store = ObjectStore(backend, max_workers=2, retry=RetryPolicy(1), page_size=3)
-    prefetch = HintedPrefetch(Namespace(store, prefix), window_bytes=8 * MiB,
-                              budget_bytes=8 * MiB, connections=4, block_size=4 * MiB)
+    # Resolution uses the namespace alone; the cache is never asked (nor run).
+    cache = BlockCache(store, RamTier(64 * MiB, make_policy()), None, block_size=4 * MiB,
+                       nursery=None)  # type: ignore[arg-type]
+    prefetch = HintedPrefetch(Namespace(store, prefix), cache,
+                              PrefetchScheduler(window_bytes=8 * MiB, budget_bytes=8 * MiB),
+                              connections=4, block_size=4 * MiB)
     return backend, prefetch
 
 

@@ -210,6 +210,7 @@ def test_metrics_are_served_over_http():
 def test_the_documented_list_is_exactly_what_a_mount_exports(tmp_path):
     """bucketfs/metrics.py's docstring is the list users (and the Grafana dashboard) read."""
     from bucketfs.namespace import Namespace
+    from bucketfs.prefetch.scheduler import PrefetchScheduler
     from bucketfs.prefetcher import HintedPrefetch
 
     documented = set(re.findall(r"^\s+(bucketfs_[a-z_]+)", metrics_module.__doc__, re.M))
@@ -225,9 +226,9 @@ def test_the_documented_list_is_exactly_what_a_mount_exports(tmp_path):
                                block_size=BLOCK, nursery=nursery)
             reader = Reader(cache, ByteBudget(4 * BLOCK), ReadSettings(), nursery)
             namespace = Namespace(store, "")
-            prefetch = HintedPrefetch(namespace, window_bytes=BLOCK, budget_bytes=BLOCK,
-                                      connections=1, block_size=BLOCK)
-            prefetch.attach(cache)
+            prefetch = HintedPrefetch(
+                namespace, cache, PrefetchScheduler(window_bytes=BLOCK, budget_bytes=BLOCK),
+                connections=1, block_size=BLOCK)
             registry = build_registry(cache, store, reader, prefetch)
             out["names"] = {family.name for family in registry.collect()}
             namespace.close()

@@ -25,7 +25,8 @@ from bucketfs.hints.protocol import Order
 from bucketfs.namespace import Namespace
 from bucketfs.packer import layout_tag
 from bucketfs.prefetch.eviction import make_policy
-from bucketfs.prefetch.packing import DEFAULT_CHUNK_BYTES, plan_chunks
+from bucketfs.prefetch.layout import DEFAULT_CHUNK_BYTES, plan_chunks
+from bucketfs.prefetch.scheduler import PrefetchScheduler
 from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
 from tests.membackend import MemoryBackend
@@ -133,16 +134,16 @@ def run(files: dict[str, bytes], directory: Path, body, *, ram: int = 64 * MiB) 
     async def main() -> None:
         store = ObjectStore(backend, max_workers=8, retry=RetryPolicy(1))
         namespace = Namespace(store, "train/")
-        prefetch = HintedPrefetch(namespace, window_bytes=8 * MiB, budget_bytes=8 * MiB,
-                                  connections=4, block_size=MiB)
         disk = DiskTier(directory, 512 * MiB, make_policy("cost-lrfu"), source="mem://b",
                         block_size=MiB)
         async with trio.open_nursery() as nursery:
             cache = BlockCache(store, RamTier(ram, make_policy()), disk, block_size=MiB,
                                nursery=nursery)
-            reader = Reader(cache, ByteBudget(64 * MiB), ReadSettings(), nursery)
-            prefetch.attach(cache)
-            reader.on_open = prefetch.observed_open
+            prefetch = HintedPrefetch(
+                namespace, cache, PrefetchScheduler(window_bytes=8 * MiB, budget_bytes=8 * MiB),
+                connections=4, block_size=MiB)
+            reader = Reader(cache, ByteBudget(64 * MiB), ReadSettings(), nursery,
+                            on_open=prefetch.observed_open)
             await nursery.start(prefetch.run)
             daemon = Daemon(prefetch, cache, reader, namespace, files)
             try:

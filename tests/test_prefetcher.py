@@ -17,6 +17,7 @@ from bucketfs.hints.protocol import Order
 from bucketfs.namespace import Namespace
 from bucketfs.prefetch.eviction import make_policy
 from bucketfs.prefetch.next_use import HintedPolicy, NextUse
+from bucketfs.prefetch.scheduler import PrefetchScheduler
 from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
 from tests.membackend import MemoryBackend
@@ -37,16 +38,16 @@ async def with_daemon(backend: MemoryBackend, body, *, ram: int = 64 * MiB,
                       window: int = 8 * MiB, connections: int = 4) -> None:
     store = ObjectStore(backend, max_workers=8, retry=RetryPolicy(1))
     namespace = Namespace(store, "train/")
-    prefetch = HintedPrefetch(namespace, window_bytes=window, budget_bytes=window,
-                              connections=connections, block_size=4 * MiB)
-    policy = HintedPolicy(make_policy(), NextUse(prefetch.scheduler),
+    scheduler = PrefetchScheduler(window_bytes=window, budget_bytes=window)
+    policy = HintedPolicy(make_policy(), NextUse(scheduler),
                           key_of=lambda b: b.key if isinstance(b, BlockId) else b)
     async with trio.open_nursery() as nursery:
         cache = BlockCache(store, RamTier(ram, policy), None, block_size=4 * MiB,
                            nursery=nursery)
-        reader = Reader(cache, ByteBudget(64 * MiB), ReadSettings(), nursery)
-        prefetch.attach(cache)
-        reader.on_open = prefetch.observed_open
+        prefetch = HintedPrefetch(namespace, cache, scheduler, connections=connections,
+                                  block_size=4 * MiB)
+        reader = Reader(cache, ByteBudget(64 * MiB), ReadSettings(), nursery,
+                        on_open=prefetch.observed_open)
         await nursery.start(prefetch.run)
 
         async def read(path: str) -> bytes:

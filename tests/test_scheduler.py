@@ -11,7 +11,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import pytest
 
-from bucketfs.prefetch.scheduler import AdaptiveConcurrency, Plan, PrefetchScheduler
+from bucketfs.prefetch.concurrency import AdaptiveConcurrency
+from bucketfs.prefetch.scheduler import Plan, PrefetchScheduler
 
 
 def order(prefix: str, count: int, size: int = 100) -> list[tuple[Hashable, int]]:
@@ -83,33 +84,12 @@ def test_an_object_larger_than_the_window_is_still_planned() -> None:
 
 def test_cached_keys_are_not_fetched_but_fill_the_window() -> None:
     cached = set(keys("f", range(0, 10, 2)))
-    scheduler = PrefetchScheduler(window_bytes=1000, budget_bytes=10_000,
-                                  is_cached=cached.__contains__)
+    scheduler = PrefetchScheduler(window_bytes=1000, budget_bytes=10_000)
     scheduler.set_order("job", order("f", 50))
-    assert scheduler.next_fetches(100) == keys("f", range(1, 10, 2))
+    assert scheduler.next_fetches(100, cached.__contains__) == keys("f", range(1, 10, 2))
 
 
 # -- priorities -----------------------------------------------------------------------
-
-def test_a_demand_goes_first_whatever_the_window_and_budget() -> None:
-    scheduler = PrefetchScheduler(window_bytes=1000, budget_bytes=300)
-    scheduler.set_order("job", order("f", 50))
-    assert scheduler.next_fetches(100) == keys("f", range(3))  # the budget is full
-    scheduler.demand("f40", 100)  # far outside the window
-    scheduler.demand("elsewhere", 5000)  # in no plan, larger than the budget
-    assert scheduler.next_fetches(100) == ["f40", "elsewhere"]
-    assert scheduler.stats().demand_fetches_started == 2
-    scheduler.demand("f40", 100)  # already in flight: nothing to start
-    assert scheduler.next_fetches(100) == []
-
-
-def test_a_demand_for_a_key_already_cached_is_dropped() -> None:
-    cached = {"x"}
-    scheduler = PrefetchScheduler(window_bytes=1000, budget_bytes=1000,
-                                  is_cached=cached.__contains__)
-    scheduler.demand("x", 10)
-    assert scheduler.next_fetches(5) == []
-
 
 def test_nearest_items_first_across_jobs() -> None:
     scheduler = PrefetchScheduler(window_bytes=500, budget_bytes=10_000)

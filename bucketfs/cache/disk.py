@@ -54,6 +54,7 @@ from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.cache.ranking import IndexRanking
 from bucketfs.cache.scans import prefixed
 from bucketfs.cache.schema import ENTRY, BlockRecord, Member
+from bucketfs.cache.tier import Hit
 from bucketfs.prefetch.eviction import RankedPolicy
 from bucketfs.private import UnsafePath, openness, private_directory
 
@@ -74,12 +75,9 @@ class CacheDirUnwritable(CacheDirError):
     with a RAM-only cache."""
 
 
-#: A hit: the block's bytes, its refetch cost, and when it is packed in a chunk being
-#: read in order, the blocks after it read with the same pread (block, bytes, cost).
-Found = tuple[bytes, float, list[tuple[BlockId, bytes, float]]]
-
-
 class DiskTier:
+    name = "ssd"
+
     def __init__(
         self, directory: str | os.PathLike[str], capacity: int, policy: RankedPolicy, *,
         source: str, block_size: int, free_floor: int = 0, group: int | None = None,
@@ -267,7 +265,7 @@ class DiskTier:
         """Whether the tier has the block (one index read; no I/O)."""
         return self.index.get(ENTRY + self._entry(block)) is not None
 
-    def get(self, block: BlockId, ahead: int = 0) -> Found | None:
+    def get(self, block: BlockId, ahead: int = 0) -> Hit | None:
         """The block's bytes, its refetch cost and, when the block is packed in a chunk
         that is being read in order, the blocks after it in the chunk (at most `ahead`
         bytes), read with the same pread and each checked; None on a miss."""
@@ -284,7 +282,7 @@ class DiskTier:
             if found is None:
                 return None
             data, following = found
-            return data, packed.cost, self._blocks_of(following)
+            return Hit(data, packed.cost, self._blocks_of(following))
         try:
             record = schema.decode_block(value)
         except (ValueError, struct.error):
@@ -302,7 +300,7 @@ class DiskTier:
                 self._referenced(entry)
             except Exception as exc:  # the index cannot take writes: still a hit
                 self.step_aside(exc)
-        return data, record.cost, []
+        return Hit(data, record.cost)
 
     def _blocks_of(self, members: list[tuple[Member, bytes]],
                    ) -> list[tuple[BlockId, bytes, float]]:

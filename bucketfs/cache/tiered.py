@@ -1,5 +1,7 @@
 """The block cache in front of the origin: RAM, then SSD (promoting what it finds), then
-one fetch from the bucket shared by every reader that misses the same block.
+one fetch from the bucket shared by every reader that misses the same block. This is
+the only code that knows there are tiers: readers, hinted prefetch and chunk packing
+ask it, never a tier.
 
 A block fetched from the origin goes into RAM and is written through to SSD in the
 background, so what RAM evicts is already on SSD (it "demotes" without a second copy)
@@ -19,8 +21,10 @@ a block to the one lookup under way for it (SSD read or GET); others wait on its
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -29,6 +33,7 @@ from bucketfs.backends.store import ObjectStore
 from bucketfs.cache.blocks import BlockId, ObjectRef, block_span
 from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
+from bucketfs.cache.tier import CacheEvents, Hit, Tier
 from bucketfs.tasks import failed
 
 log = logging.getLogger(__name__)
@@ -61,12 +66,14 @@ class BlockCache:
         self, store: ObjectStore, ram: RamTier, disk: DiskTier | None, *, block_size: int,
         nursery: trio.Nursery, disk_threads: int = 4, write_queue: int = 64 * 1024**2,
     ) -> None:
+        """`ram.events` is the cache's `events`: subscribe there to follow evictions."""
         if disk is not None and disk.block_size != block_size:
             raise ValueError(f"the SSD tier cuts {disk.block_size}-byte blocks, the cache "
                              f"{block_size}-byte ones")
         self.store = store
         self.ram = ram
         self.disk = disk
+        self.events: CacheEvents = ram.events
         self.block_size = block_size
         self.nursery = nursery
         self.disk_limiter = trio.CapacityLimiter(disk_threads)
@@ -76,17 +83,26 @@ class BlockCache:
         self.queued = 0
         self.queue_limit = max(write_queue, block_size)
         self._room = trio.Event()
+        #: Set (and replaced) whenever a lookup starts: `kept` waits on it, not a clock.
+        self._started = trio.Event()
         self.stats = CacheStats()
+
+    @property
+    def tiers(self) -> Sequence[Tier]:
+        """The tiers, nearest first (for metrics and status)."""
+        return (self.ram,) if self.disk is None else (self.ram, self.disk)
+
+    # --- reads ----------------------------------------------------------------------------
 
     async def get(self, obj: ObjectRef, index: int) -> bytes:
         """The bytes of block `index` of that object version."""
         block = BlockId(obj.key, obj.version, index, size=obj.size)
         while True:
-            data = self.ram.get(block)
-            if data is not None:
+            hit = self.ram.get(block)
+            if hit is not None:
                 self.stats.ram_hits += 1
-                self.stats.ram_bytes_served += len(data)
-                return data
+                self.stats.ram_bytes_served += len(hit.data)
+                return hit.data
             flight = self.inflight.get(block)
             if flight is None:
                 break
@@ -98,6 +114,8 @@ class BlockCache:
                 return flight.data
             # The task that looked it up was cancelled (not failed): look again ourselves.
         flight = self.inflight[block] = _Flight()
+        self._started.set()
+        self._started = trio.Event()
         try:
             flight.data = await self._lookup(obj, block)
             return flight.data
@@ -111,19 +129,25 @@ class BlockCache:
             flight.done.set()
             del self.inflight[block]
 
-    def held(self, block: BlockId) -> tuple[bytes, float] | None:
-        """The block's bytes and cost if RAM or the write-through queue has them; no
-        lookup, no counters, no change to the eviction order (trio thread)."""
-        data = self.ram.blocks.get(block)
-        if data is not None:
-            return data, self.ram.costs[block]
-        return self.writing.get(block)
+    def peek(self, block: BlockId) -> Hit | None:
+        """The block if RAM or the write-through queue has it: no lookup, no counters, no
+        change to the eviction order (trio thread)."""
+        return self.ram.peek(block) or self._queued(block)
+
+    def _queued(self, block: BlockId) -> Hit | None:
+        queued = self.writing.get(block)
+        return None if queued is None else Hit(*queued)
 
     def holds(self, block: BlockId) -> bool:
         """Whether a tier holds the block (no I/O but one index read; trio thread)."""
-        if block in self.ram.blocks or block in self.writing:
+        if self.ram.holds(block) or block in self.writing:
             return True
         return self.disk is not None and self.disk.holds(block)
+
+    def keeps_in_ram(self, size: int) -> bool:
+        """Whether a block of `size` bytes fits the RAM tier at all (one larger is read
+        but not kept, so it must not be fetched ahead)."""
+        return size <= self.ram.capacity
 
     async def _lookup(self, obj: ObjectRef, block: BlockId) -> bytes:
         queued = self.writing.get(block)
@@ -134,19 +158,17 @@ class BlockCache:
             self.ram.put(block, data, cost)
             return data
         if self.disk is not None:
-            found = await trio.to_thread.run_sync(self.disk.get, block,
-                                                  self.ram.capacity // 4,
-                                                  limiter=self.disk_limiter)
-            if found is not None:
-                data, cost, following = found
+            hit = await trio.to_thread.run_sync(self.disk.get, block, self.ram.capacity // 4,
+                                                limiter=self.disk_limiter)
+            if hit is not None:
                 self.stats.disk_hits += 1
-                self.stats.disk_bytes_served += len(data)
-                self.ram.put(block, data, cost)
-                for ahead, ahead_data, ahead_cost in following:
-                    if ahead not in self.ram.blocks:
+                self.stats.disk_bytes_served += len(hit.data)
+                self.ram.put(block, hit.data, hit.cost)
+                for ahead, ahead_data, ahead_cost in hit.following:
+                    if not self.ram.holds(ahead):
                         self.ram.put(ahead, ahead_data, ahead_cost)
                         self.stats.disk_read_ahead += 1
-                return data
+                return hit.data
         start, end = block_span(obj.size, self.block_size, block.index)
         began = time.monotonic()
         data = await self.store.get_range(obj.key, obj.version, start, end - start)
@@ -157,6 +179,59 @@ class BlockCache:
         if self.disk is not None and self.disk.writable:
             await self._queue_write(block, data, cost)
         return data
+
+    # --- the SSD tier's chunks ------------------------------------------------------------
+
+    @property
+    def writes_through(self) -> bool:
+        """Whether what the origin sends is written through to a tier below RAM (what
+        RAM evicts is then still cached)."""
+        return self.disk is not None
+
+    @property
+    def packs(self) -> bool:
+        """Whether small files can be packed into chunks (an SSD tier taking writes)."""
+        return self.disk is not None and self.disk.writable
+
+    def packed_layout(self, block: BlockId) -> bytes | None:
+        """The layout tag of the SSD chunk holding the block, None if not packed."""
+        return None if self.disk is None else self.disk.packed_layout(block)
+
+    async def kept(self, obj: ObjectRef, block: BlockId, deadline: float) -> Hit | None:
+        """The block's bytes if the SSD tier keeps it: from RAM, the write-through queue,
+        the lookup under way or the SSD tier itself; never a GET of its own. None when
+        it was read and not stored on SSD, or no read of it started by `deadline` (a
+        chunk is complete when its last file is opened, and that file's read may not
+        have begun yet)."""
+        while True:
+            if block in self.inflight:
+                with contextlib.suppress(Exception):  # the reader sees its own error
+                    await self.get(obj, block.index)  # joins that lookup
+            queued = self._queued(block)
+            if queued is not None:  # on its way to SSD
+                return queued
+            if self.disk is not None and self.disk.holds(block):
+                held = self.ram.peek(block)
+                if held is None:
+                    held = await trio.to_thread.run_sync(self.disk.get, block,
+                                                         limiter=self.disk_limiter)
+                return held
+            if self.ram.holds(block):
+                return None  # read, and not stored on SSD
+            with trio.move_on_at(deadline) as waiting:
+                await self._started.wait()
+            if waiting.cancelled_caught:
+                return None
+
+    async def write_chunk(self, blocks: list[tuple[BlockId, bytes, float]],
+                          layout: bytes) -> bool:
+        """Pack these blocks, in this order, into one SSD chunk tagged `layout`."""
+        if self.disk is None:
+            return False
+        return await trio.to_thread.run_sync(self.disk.write_chunk, blocks, layout,
+                                             limiter=self.disk_limiter)
+
+    # --- writes to SSD --------------------------------------------------------------------
 
     async def _queue_write(self, block: BlockId, data: bytes, cost: float) -> None:
         while self.queued + len(data) > self.queue_limit:
@@ -189,7 +264,7 @@ class BlockCache:
         if self.disk is None:
             return
         waiting = [(b, d, c) for b, (d, c) in self.writing.items()]
-        waiting += [(b, d, self.ram.costs[b]) for b, d in self.ram.blocks.items()]
+        waiting += list(self.ram.items())
         for block, data, cost in waiting:
             await trio.to_thread.run_sync(self.disk.put, block, data, cost,
                                           limiter=self.disk_limiter)

@@ -1,4 +1,5 @@
-"""Chunk layout for the SSD tier, after LCache (../shared/seeds/003_*).
+"""Chunk layout for the SSD tier, after LCache (a data-loading cache that packs small
+samples into large chunks in the order they will be read).
 
 Reading thousands of ~100 KB files in a shuffled order is random I/O; reading the same
 bytes as a few MiB chunks laid out in that order is sequential (LCache measures 4 MB

@@ -9,7 +9,7 @@ from collections.abc import Hashable, Sequence
 
 import pytest
 
-from bucketfs.prefetch.packing import ChunkPlan, NextEpochPacker, Placement, plan_chunks
+from bucketfs.prefetch.layout import ChunkPlan, NextEpochPacker, Placement, plan_chunks
 
 KIB = 1024
 
