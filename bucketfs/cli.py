@@ -1,4 +1,4 @@
-"""The `bucketfs` command: mount, umount, check, cache stats|clear, hint.
+"""The `bucketfs` command: mount, umount, check, status, warm, cache stats|clear, hint.
 
 `bucketfs mount` without --foreground starts the daemon as a child process in its own
 session and waits on a pipe until the child reports the mount ready (exit 0) or
@@ -28,6 +28,10 @@ from bucketfs.hints.cli import add_arguments as add_hint_arguments
 from bucketfs.hints.cli import run as run_hint
 from bucketfs.private import UnsafePath, open_private_log
 from bucketfs.runtime import FSTYPE, daemon_pid, default_log_file, mounted, stale, unmount
+from bucketfs.status_view import add_arguments as add_status_arguments
+from bucketfs.status_view import run as run_status
+from bucketfs.warm_client import add_arguments as add_warm_arguments
+from bucketfs.warm_client import run as run_warm
 
 PROG = "bucketfs"
 
@@ -90,6 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--timeout", type=float, default=5.0,
                        help="seconds to wait for the daemon's answer (default 5)")
 
+    status = commands.add_parser(
+        "status", help="show what a mount is doing: cache, prefetch, origin, errors",
+        description="Ask the daemon of MOUNT for a live view of the mount: the backend, "
+                    "each cache tier's occupancy and budget, hit ratios, prefetch, origin "
+                    "requests, throughput and their estimated cost, errors and warm jobs.",
+    )
+    add_status_arguments(status)
+
+    warm = commands.add_parser(
+        "warm", help="fetch a dataset (or part of it) into the cache before training",
+        description="Have the daemon of MOUNT fetch the files under each PATH (default: "
+                    "all of MOUNT) into its cache, through its own fetch path and within "
+                    "its cache budgets. Shows progress; Ctrl-C stops the job, and what "
+                    "was fetched stays cached.",
+    )
+    add_warm_arguments(warm)
+
     hint = commands.add_parser(
         "hint", help="tell a mount the order in which files will be read",
         description="Send the daemon of MOUNT the order in which a job will read the files "
@@ -107,6 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_cache_command(args)
     if args.command == "hint":
         return run_hint(args)
+    if args.command == "status":
+        return run_status(args)
+    if args.command == "warm":
+        return run_warm(args)
     if args.command == "check":
         from bucketfs.check import run_check
         return run_check(args.mountpoint, args.timeout)

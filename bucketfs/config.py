@@ -243,7 +243,8 @@ OPTIONS: tuple[Option, ...] = (
            '"4MiB"'),
     Option("hints", "prefetch_window", parse_size, 256 * 1024**2,
            "bytes a job's hinted files are fetched ahead of its reader (refilled when "
-           "half is read; at most half of ram_cache); 0 turns the hints socket off",
+           "half is read; at most half of ram_cache); 0 turns hints off (the socket still "
+           "answers status and warm)",
            '"256MiB"'),
     Option("hints", "prefetch_budget", parse_size, 512 * 1024**2,
            "bytes in flight or fetched and not yet read, over all jobs together (at "

@@ -4,12 +4,17 @@ bucketfs mount.
     python -m bucketfs.demo [--dir DIR] [--images N] [--workers W]
 
 1. make (or reuse) N JPEGs in DIR/bucket/class_XX/img_YYYYY.jpg;
-2. mount file://DIR/bucket on DIR/mnt with `python -m bucketfs mount`;
-3. run one shuffled epoch of torchvision's ImageFolder over the mount, then the same
-   epoch from local disk as a baseline, and check that both see the same files and
-   classes, that the first batch decodes to the same tensors and that every file has
-   the same bytes;
-4. unmount, whatever happened (an error, Ctrl-C, SIGTERM).
+2. mount file://DIR/bucket on DIR/mnt with `python -m bucketfs mount`, caching in
+   DIR/cache (emptied first, so the first epoch is cold);
+3. run a shuffled epoch of torchvision's ImageFolder over the mount, with HintSampler
+   telling the daemon the order: cold, then again (cached), then the same epoch from
+   local disk as a baseline; check that both see the same files and classes, that the
+   first batch decodes to the same tensors and that every file has the same bytes;
+4. unmount, mount again with the same cache and run the epoch once more: served from
+   the SSD tier, without a request to the bucket;
+5. say, for each epoch, what the bucket was asked (the daemon's own counters, from its
+   status: bucketfs/demo_report.py) and what hints did; unmount, whatever happened (an
+   error, Ctrl-C, SIGTERM).
 
 `make_image_dataset` is also what tests and benchmarks use to make a dataset: it needs
 Pillow, not torch or numpy.
@@ -34,6 +39,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from bucketfs import demo_report as report
 
 PROG = "bucketfs demo"
 DEFAULT_DIR = "demo-data"
@@ -256,12 +263,48 @@ def prepare_mountpoint(mountpoint: Path) -> None:
         unmount(mountpoint)  # left behind by an earlier run whose daemon was killed
 
 
-def mount(bucket: Path, mountpoint: Path) -> None:
-    result = _bucketfs("mount", f"file://{bucket}", str(mountpoint))
+def mount(bucket: Path, mountpoint: Path, cache: Path) -> None:
+    result = _bucketfs("mount", f"file://{bucket}", str(mountpoint), "--cache-dir", str(cache))
     if result.returncode != 0:
         raise DemoError(f"mount failed: {_last_line(result)}")
     if result.stderr.strip():  # warnings
         print(result.stderr.strip(), file=sys.stderr)
+
+
+@contextlib.contextmanager
+def mounted(bucket: Path, mountpoint: Path, cache: Path) -> Iterator[None]:
+    """Mount, and unmount whatever happens in the block."""
+    try:
+        mount(bucket, mountpoint, cache)
+        yield
+    finally:
+        # Ctrl-C again must not stop the unmount half-way.
+        previous = {signum: signal.signal(signum, signal.SIG_IGN)
+                    for signum in (signal.SIGINT, signal.SIGTERM)}
+        failing = sys.exc_info()[1] is not None
+        try:
+            if _is_bucketfs_mount(mountpoint):  # not when the mount itself failed
+                unmount(mountpoint)
+        except DemoError as exc:
+            if not failing:
+                raise
+            # Report it, but let the error that got us here be the one the run ends on.
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+def empty_cache(cache: Path) -> None:
+    """A cold start: nothing an earlier run cached. Only a bucketfs cache is emptied."""
+    if not cache.exists():
+        return
+    from bucketfs.cache.admin import CacheAdminError, clear_cache
+
+    try:
+        clear_cache(cache)
+    except CacheAdminError as exc:
+        raise DemoError(f"{exc}; choose another --dir") from None
 
 
 def unmount(mountpoint: Path, attempts: int = 10) -> None:
@@ -299,9 +342,9 @@ def _import_torch() -> tuple[Any, Any, Any]:
 
 
 class Epoch:
-    """One pass over an ImageFolder tree, timed."""
+    """One pass over an ImageFolder tree, timed; with `hinted`, through HintSampler."""
 
-    def __init__(self, root: Path, workers: int, seed: int) -> None:
+    def __init__(self, root: Path, workers: int, seed: int, *, hinted: bool = False) -> None:
         torch, datasets, transforms = _import_torch()
         self.torch = torch
         transform = transforms.Compose([
@@ -314,16 +357,24 @@ class Epoch:
         self.root = root
         self.workers = workers
         self.seed = seed
+        self.hinted = hinted
         self.seconds = 0.0
         self.images = 0
         self.batches = 0
 
     def run(self) -> None:
-        from torch.utils.data import DataLoader
+        from torch.utils.data import DataLoader, RandomSampler
 
-        loader = DataLoader(self.dataset, batch_size=BATCH_SIZE, shuffle=True,
-                            num_workers=self.workers,
-                            generator=self.torch.Generator().manual_seed(self.seed))
+        # The order DataLoader(shuffle=True, generator=...) would draw, so every epoch
+        # (hinted or not) reads the same files in the same order.
+        sampler: Any = RandomSampler(self.dataset,
+                                     generator=self.torch.Generator().manual_seed(self.seed))
+        if self.hinted:
+            from bucketfs.hints import HintSampler
+
+            sampler = HintSampler(sampler, self.dataset)
+        loader = DataLoader(self.dataset, batch_size=BATCH_SIZE, sampler=sampler,
+                            num_workers=self.workers)
         started = time.perf_counter()
         batches = iter(loader)
         try:
@@ -379,11 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bucketfs.demo",
         description="Make a small ImageFolder dataset of JPEGs, mount it with bucketfs "
-                    "(file://) and read one epoch through a PyTorch DataLoader.",
+                    "(file://) and read it through a PyTorch DataLoader: a cold epoch, a "
+                    "cached one, and one after a remount, served from the SSD cache.",
     )
     parser.add_argument("--dir", default=DEFAULT_DIR, type=Path,
                         help=f"working directory: DIR/bucket holds the dataset, DIR/mnt is "
-                             f"the mountpoint (default ./{DEFAULT_DIR})")
+                             f"the mountpoint, DIR/cache the SSD cache (default "
+                             f"./{DEFAULT_DIR})")
     parser.add_argument("--images", type=int, default=DEFAULT_IMAGES,
                         help=f"number of images, in up to {CLASSES} classes "
                              f"(default {DEFAULT_IMAGES})")
@@ -417,41 +470,45 @@ def run(args: argparse.Namespace) -> None:
           f"{total_bytes / 1e6:.1f} MB (mean {total_bytes / count / 1e3:.0f} KB), {how}")
 
     prepare_mountpoint(mountpoint)
-    try:
-        mount(bucket, mountpoint)
-        print(f"mounted: file://{bucket} on {mountpoint}")
-        mounted = Epoch(mountpoint, args.workers, args.seed)
-        mounted.run()
+    cache = base / "cache"
+    empty_cache(cache)
+    with mounted(bucket, mountpoint, cache):
+        print(f"mounted: file://{bucket} on {mountpoint}, caching in {cache} (emptied: "
+              "the first epoch is cold)")
+        cold = Epoch(mountpoint, args.workers, args.seed, hinted=True)
+        names = cold.dataset.classes
+        shown = ", ".join(names) if len(names) <= 4 else f"{names[0]} .. {names[-1]}"
+        print(f"classes: {len(names)} ({shown}); samples: {len(cold.dataset)}; batches of "
+              f"up to {BATCH_SIZE}, workers={args.workers}")
+        cold.run()
+        after_cold = report.snapshot(mountpoint)
+        print(report.epoch_line("epoch 1, cold", cold.images, cold.seconds,
+                                report.requests(after_cold)))
+        cached = Epoch(mountpoint, args.workers, args.seed, hinted=True)
+        cached.run()
+        after_cached = report.snapshot(mountpoint)
         local = Epoch(bucket, args.workers, args.seed)
         local.run()
-        names = mounted.dataset.classes
-        shown = ", ".join(names) if len(names) <= 4 else f"{names[0]} .. {names[-1]}"
-        print(f"classes: {len(names)} ({shown})")
-        print(f"samples: {len(mounted.dataset)}")
-        print(f"epoch over the mount: {mounted.images} images in {mounted.batches} batches of "
-              f"up to {BATCH_SIZE}, {mounted.seconds:.2f} s, {mounted.rate:.0f} images/s "
-              f"(workers={args.workers}; listing took {mounted.list_seconds:.2f} s)")
-        print(f"epoch from local disk: {local.seconds:.2f} s, {local.rate:.0f} images/s")
-        if mounted.images != len(mounted.dataset):
-            raise DemoError(f"the epoch read {mounted.images} of {len(mounted.dataset)} images")
-        print(f"check: {compare(mounted, local)}")
-    finally:
-        # Ctrl-C again must not stop the unmount half-way.
-        previous = {signum: signal.signal(signum, signal.SIG_IGN)
-                    for signum in (signal.SIGINT, signal.SIGTERM)}
-        failing = sys.exc_info()[1] is not None
-        try:
-            if _is_bucketfs_mount(mountpoint):  # not when the mount itself failed
-                unmount(mountpoint)
-        except DemoError as exc:
-            if not failing:
-                raise
-            # Report it, but let the error that got us here be the one the run ends on.
-            print(f"{PROG}: error: {exc}", file=sys.stderr)
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+        print(report.epoch_line("epoch 2, cached", cached.images, cached.seconds,
+                                report.requests(after_cached, after_cold)))
+        print(report.epoch_line("local disk", local.images, local.seconds, None,
+                                f"the baseline: epoch 2 took {cached.seconds / local.seconds:.2f}x "
+                                "its time"))
+        for epoch in (cold, cached):
+            if epoch.images != len(epoch.dataset):
+                raise DemoError(f"an epoch read {epoch.images} of {len(epoch.dataset)} images")
+        print(f"check: {compare(cold, local)}")
+    print(f"unmounted: {mountpoint}; mounting it again with the same cache")
+    with mounted(bucket, mountpoint, cache):
+        again = Epoch(mountpoint, args.workers, args.seed, hinted=True)
+        again.run()
+        after_again = report.snapshot(mountpoint)
+        print(report.epoch_line("epoch 3, after remount", again.images, again.seconds,
+                                report.requests(after_again), report.ssd_note(after_again)))
+    print(report.hints_line(after_cold, len(cold.dataset)))
+    print(report.EXPLAIN)
     print(f"unmounted: {mountpoint}")
+    print(report.POINTER)
 
 
 def _one_line(exc: Exception) -> str:
@@ -470,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         run(args)
-    except DemoError as exc:
+    except (DemoError, report.ReportError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:

@@ -1,10 +1,13 @@
 """The daemon's end of the hints socket (docs/HINTS.md).
 
 One request per connection: the peer's credentials are checked, one frame is read
-within a deadline (a slow client cannot hold a slot), validated, handed to `on_order`
-(an epoch's order, or with `next_epoch` the next epoch's, announced ahead) / `on_end`
-in the trio thread, and answered. Nothing a client sends can crash the daemon:
-every bad request gets an error reply and is logged once per distinct reason.
+within a deadline (a slow client cannot hold a slot), validated, handed to its handler
+in the trio thread, and answered: `on_order` (an epoch's order, or with `next_epoch`
+the next epoch's, announced ahead) and `on_end` for hints; `on_status` (`bucketfs
+status`), `on_warm` and `on_cancel` (`bucketfs warm`) for the mount's control. A
+handler that is not given (hints off, no status) is an error reply saying so. Nothing
+a client sends can crash the daemon: every bad request gets an error reply and is
+logged once per distinct reason.
 """
 
 from __future__ import annotations
@@ -15,21 +18,29 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import trio
 
 from bucketfs.hints.protocol import (
     HEADER_SIZE,
+    REPLIES,
+    CancelWarm,
     End,
     Message,
     Order,
     ProtocolError,
     Reply,
+    StatusQuery,
+    StatusReport,
+    Warm,
+    WarmStarted,
     decode_body,
     encode,
     error_reply,
+    kind_of,
     parse_header,
 )
 from bucketfs.private import UnsafePath, private_directory
@@ -47,6 +58,10 @@ BIG_BODY = 1 << 20
 _MAX_LOGGED = 256
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+#: The answer to hints when the mount has hinted prefetch off (the socket still serves
+#: status and warm).
+HINTS_OFF = "hints are off on this mount (its prefetch_window is 0)"
+T = TypeVar("T")
 
 
 class HintsServerError(Exception):
@@ -55,12 +70,18 @@ class HintsServerError(Exception):
 
 class _Server:
     def __init__(self, owner_uid: int, allowed_gid: int | None,
-                 on_order: Callable[[Order], object], on_end: Callable[[str], object],
-                 read_timeout: float) -> None:
+                 on_order: Callable[[Order], object] | None,
+                 on_end: Callable[[str], object] | None, read_timeout: float, *,
+                 on_status: Callable[[], dict[str, Any]] | None = None,
+                 on_warm: Callable[[Sequence[str]], int] | None = None,
+                 on_cancel: Callable[[int], object] | None = None) -> None:
         self.owner_uid = owner_uid
         self.allowed_gid = allowed_gid
         self.on_order = on_order
         self.on_end = on_end
+        self.on_status = on_status
+        self.on_warm = on_warm
+        self.on_cancel = on_cancel
         self.read_timeout = read_timeout
         self.big_bodies = trio.CapacityLimiter(1)
         self.logged: set[str] = set()
@@ -94,7 +115,8 @@ class _Server:
                 await self.reply(stream, self.dispatch(message))
 
     def refusal(self, sock: trio.socket.SocketType) -> str | None:
-        """Why this peer may not send hints, or None if it may."""
+        """Why this peer may not use the socket (hints, status, warm), or None if it
+        may."""
         pid, uid, gid = _UCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         if uid in (0, self.owner_uid):
@@ -124,14 +146,9 @@ class _Server:
         with trio.fail_after(self.read_timeout + length / MIN_RATE):
             return await _receive(stream, length, "body")
 
-    def dispatch(self, message: Message) -> Reply:
+    def dispatch(self, message: Message) -> Message:
         try:
-            if isinstance(message, Order):  # also a next epoch's (`Order.next_epoch`)
-                self.on_order(message)
-            elif isinstance(message, End):
-                self.on_end(message.job)
-            else:
-                raise ValueError("a client may not send a REPLY")
+            return self.answer(message)
         except ValueError as exc:
             self.log_once(f"request refused: {exc}")
             return error_reply(str(exc))
@@ -139,13 +156,40 @@ class _Server:
             # A bug in a handler must not take the mount down with it.
             log.exception("hints: handling a %s failed", type(message).__name__)
             return error_reply("internal error in the daemon")
+
+    def answer(self, message: Message) -> Message:
+        """The handler's answer; a ValueError it raises is the client's error reply."""
+        if isinstance(message, REPLIES):
+            raise ValueError(f"a client may not send a {kind_of(message).name}")
+        if isinstance(message, Order):  # also a next epoch's (`Order.next_epoch`)
+            _given(self.on_order, HINTS_OFF)(message)
+        elif isinstance(message, End):
+            _given(self.on_end, HINTS_OFF)(message.job)
+        elif isinstance(message, StatusQuery):
+            return StatusReport(_given(self.on_status, "this daemon serves no status")())
+        elif isinstance(message, Warm):
+            return WarmStarted(_given(self.on_warm, "this daemon does not warm")(
+                message.paths))
+        elif isinstance(message, CancelWarm):
+            _given(self.on_cancel, "this daemon does not warm")(message.id)
         return Reply(True)
 
-    async def reply(self, stream: trio.SocketStream, reply: Reply) -> None:
+    async def reply(self, stream: trio.SocketStream, reply: Message) -> None:
+        try:
+            frame = encode(reply)
+        except ProtocolError as exc:  # a status report over its bound: a bug here
+            log.error("hints: cannot send a %s: %s", kind_of(reply).name, exc)
+            frame = encode(error_reply(f"internal error in the daemon: {exc}"))
         with trio.move_on_after(self.read_timeout), contextlib.suppress(
             trio.BrokenResourceError, ConnectionError
         ):
-            await stream.send_all(encode(reply))
+            await stream.send_all(frame)
+
+
+def _given(handler: T | None, missing: str) -> T:
+    if handler is None:
+        raise ValueError(missing)
+    return handler
 
 
 async def _receive(stream: trio.SocketStream, size: int, what: str, *,
@@ -234,8 +278,11 @@ async def serve_hints(
     *,
     owner_uid: int,
     allowed_gid: int | None = None,
-    on_order: Callable[[Order], object],
-    on_end: Callable[[str], object],
+    on_order: Callable[[Order], object] | None,
+    on_end: Callable[[str], object] | None,
+    on_status: Callable[[], dict[str, Any]] | None = None,
+    on_warm: Callable[[Sequence[str]], int] | None = None,
+    on_cancel: Callable[[int], object] | None = None,
     read_timeout: float = READ_TIMEOUT,
     max_connections: int = MAX_CONNECTIONS,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
@@ -244,9 +291,12 @@ async def serve_hints(
 
     Connections are accepted from root, `owner_uid`, and members of `allowed_gid`.
     `on_order(order)` (an epoch's order, or with `order.next_epoch` the next epoch's)
-    and `on_end(job)` run in the trio thread; a ValueError they raise becomes the
-    client's error reply. Raises HintsServerError if the socket cannot be
-    served (for example, another live daemon listens there)."""
+    and `on_end(job)` run in the trio thread, as do `on_status()` (a JSON-able dict,
+    the STATUS reply), `on_warm(paths)` (the id of the warm job it started) and
+    `on_cancel(id)`; a ValueError they raise becomes the client's error reply, and
+    one not given (None) is refused with a reply saying so (hints off: HINTS_OFF).
+    Raises HintsServerError if the socket cannot be served (for example, another
+    live daemon listens there)."""
     path = Path(socket_path)
     try:
         _prepare_directory(path.parent, allowed_gid)
@@ -255,7 +305,8 @@ async def serve_hints(
         raise HintsServerError(f"cannot serve hints at {path}: {exc.strerror or exc}") from None
     sock = await _listen(path, allowed_gid)
     ours = os.stat(path).st_ino
-    server = _Server(owner_uid, allowed_gid, on_order, on_end, read_timeout)
+    server = _Server(owner_uid, allowed_gid, on_order, on_end, read_timeout,
+                     on_status=on_status, on_warm=on_warm, on_cancel=on_cancel)
     slots = trio.Semaphore(max_connections)
     try:
         listener = trio.SocketListener(sock)

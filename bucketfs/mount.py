@@ -8,8 +8,9 @@ Order of work:
   3. prove access: a LIST, or with listings saved by an earlier mount a HEAD of an
      object they name; list the root;
   4. start hinted prefetch (unless prefetch_window is 0); pyfuse3.init mounts; from
-     here on every exit path unmounts; listen on the hints socket (if that fails, a
-     warning: the mount serves without hints);
+     here on every exit path unmounts; listen on the hints socket, which also answers
+     `bucketfs status` and `bucketfs warm` (if that fails, a warning: the mount serves
+     without them);
   5. tell the waiting parent we are ready; serve until unmounted or signalled.
 Teardown: unmount, flush what only RAM (or the write queue) holds to SSD, save the
 cache counters, close the index (and delete a temporary one).
@@ -66,7 +67,9 @@ from bucketfs.runtime import (
     unmount,
     write_pid,
 )
+from bucketfs.status import MountStatus, facts_of
 from bucketfs.tasks import describe, start_guarded
+from bucketfs.warm import WarmJobs
 
 log = logging.getLogger(__name__)
 
@@ -247,9 +250,10 @@ async def _serve_namespace(
             store, RamTier(config.ram_cache, ram_policy, CacheEvents()),
             disk, block_size=config.block_size, nursery=nursery,
         )
+        # Fewer than the origin's connections, so a reader's own miss always finds one.
+        connections = min(config.prefetch_connections, max(1, config.max_connections - 2))
         prefetch = None if hints is None else HintedPrefetch(
-            namespace, cache, hints.scheduler,
-            connections=min(config.prefetch_connections, max(1, config.max_connections - 2)),
+            namespace, cache, hints.scheduler, connections=connections,
             block_size=config.block_size)
         reader = Reader(
             cache, ByteBudget(config.readahead_budget),
@@ -258,6 +262,10 @@ async def _serve_namespace(
         )
         if prefetch is not None:
             await nursery.start(prefetch.run)
+        status = MountStatus(facts_of(info.url, info.mountpoint, config, store), cache,
+                             store, reader, prefetch,
+                             WarmJobs(namespace, cache, nursery, connections=connections))
+        start_guarded(nursery, "sampling the origin's throughput", status.run)
         if config.metrics_port:
             try:
                 start_metrics_server(config.metrics_port, config.metrics_address,
@@ -277,8 +285,8 @@ async def _serve_namespace(
             raise MountError(f"cannot mount on {info.mountpoint}: {exc}") from None
         try:
             write_pid(info.mountpoint)
-            if prefetch is not None:
-                await _serve_hints(nursery, info.mountpoint, prefetch, hints_gid, warnings)
+            await _serve_hints(nursery, info.mountpoint, prefetch, status, hints_gid,
+                               warnings)
             log.info("mounted %s on %s", info.url, info.mountpoint)
             for warning in warnings:
                 log.warning(warning)
@@ -294,6 +302,7 @@ async def _serve_namespace(
             pyfuse3.close(unmount=True)
             clear_pid(info.mountpoint)
         log.info("unmounted %s", info.mountpoint)
+        status.warm.cancel_all("unmounted")  # a warm job must not hold the flush up
         # A clean exit keeps what only RAM held, so the next mount finds it on SSD.
         try:
             await cache.flush()
@@ -337,15 +346,20 @@ def group_id(config: Config, option: str) -> int | None:
         raise MountError(f"{option}: no group named {group!r}") from None
 
 
-async def _serve_hints(nursery: trio.Nursery, mountpoint: str, prefetch: HintedPrefetch,
+async def _serve_hints(nursery: trio.Nursery, mountpoint: str,
+                       prefetch: HintedPrefetch | None, status: MountStatus,
                        gid: int | None, warnings: list[str]) -> None:
-    """Listen on the mount's hints socket; if that fails, the mount serves without."""
+    """Listen on the mount's hints socket (hints when prefetch is on; status and warm
+    always); if that fails, the mount serves without."""
     try:
         await nursery.start(functools.partial(
             serve_hints, socket_path(mountpoint), owner_uid=os.geteuid(), allowed_gid=gid,
-            on_order=prefetch.on_order, on_end=prefetch.on_end))
+            on_order=None if prefetch is None else prefetch.on_order,
+            on_end=None if prefetch is None else prefetch.on_end,
+            on_status=status.snapshot, on_warm=status.warm.start,
+            on_cancel=status.warm.cancel))
     except HintsServerError as exc:
-        warnings.append(f"hints are off: {exc}")
+        warnings.append(f"hints, status and warm are off: {exc}")
 
 
 def _kernel_forgets_name(parent: int, name: str) -> None:

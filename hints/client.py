@@ -280,6 +280,17 @@ def _deliver(target: Target, message: Message, timeout: float, strict: bool) -> 
 def request(target: Target, message: Message, timeout: float = DEFAULT_TIMEOUT) -> Reply:
     """Send one message to the daemon of `target` and return its reply. Raises
     HintError if no daemon answers there."""
+    reply = ask(target, message, timeout)
+    if not isinstance(reply, Reply):
+        raise HintError(f"the daemon of {target.mountpoint} answered a "
+                        f"{protocol.kind_of(reply).name}, not a REPLY")
+    return reply
+
+
+def ask(target: Target, message: Message, timeout: float = DEFAULT_TIMEOUT) -> Message:
+    """Send one message to the daemon of `target` and return its answer: a REPLY, or
+    the reply kind of the request (STATUS_REPLY, WARM_REPLY). Raises HintError if no
+    daemon answers there."""
     frame = protocol.encode(message)
     candidates = location.socket_candidates(target.mountpoint, target.owner_uid)
     checked = location.SOCKET_ENV not in os.environ
@@ -309,7 +320,7 @@ def _trusted(path: os.PathLike[str], owner_uid: int | None) -> bool:
     return stat.S_ISSOCK(st.st_mode) and st.st_uid in (0, owner_uid, os.getuid())
 
 
-def _exchange(path: str, frame: bytes, timeout: float) -> Reply:
+def _exchange(path: str, frame: bytes, timeout: float) -> Message:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(path)
@@ -318,8 +329,8 @@ def _exchange(path: str, frame: bytes, timeout: float) -> Reply:
             sock.sendall(frame)
         kind, length, flags = protocol.parse_header(_receive(sock, protocol.HEADER_SIZE))
         reply = protocol.decode_body(kind, _receive(sock, length), flags)
-    if not isinstance(reply, Reply):
-        raise ProtocolError(f"expected a REPLY, got {kind.name}")
+    if not isinstance(reply, protocol.REPLIES):
+        raise ProtocolError(f"expected a reply, got {kind.name}")
     return reply
 
 

@@ -15,6 +15,17 @@ FLAG_NEXT_EPOCH or FLAG_NEXT_FOLLOWS (not both); any other bit is refused. Bodie
            with FLAG_NEXT_FOLLOWS, an epoch's order whose next epoch's will follow
     END    job_len u16 | job
     REPLY  status u8 (0 ok, 1 error) | reason (UTF-8, one line)
+    STATUS        (empty): what is the mount doing? Answered by a STATUS_REPLY
+    STATUS_REPLY  a JSON object, UTF-8, in its one canonical form (sorted keys, no
+                  spaces, ASCII escapes, no NaN or infinities)
+    WARM          count u32 | paths (as in ORDER, at least one): fetch these files
+                  into the cache. Answered by a WARM_REPLY
+    WARM_REPLY    id u32 (1 or more): the warm job started for that WARM
+    CANCEL        id u32: stop that warm job (what it cached stays). Answered by a REPLY
+
+Any request may be answered by an error REPLY instead (a refusal). Kinds 4-8 came
+after 1-3 without changing them, so a client of 1-3 speaks to any daemon; a daemon
+older than a kind refuses it as "unknown message kind N".
 
 Decoding validates everything and raises ProtocolError with a one-line message.
 """
@@ -22,10 +33,11 @@ Decoding validates everything and raises ProtocolError with a one-line message.
 from __future__ import annotations
 
 import enum
+import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 MAGIC = b"BFSH"
 VERSION = 1
@@ -40,8 +52,13 @@ MAX_JOB_BYTES = 256
 MAX_REASON_BYTES = 1024
 MAX_WORLD_SIZE = 1 << 20
 MAX_EPOCH = (1 << 32) - 1
+#: A status report: a few KiB in practice (the last warm jobs are capped daemon-side).
+MAX_STATUS_BYTES = 1 << 20
+MAX_WARM_ID = (1 << 32) - 1
 
 _ORDER = struct.Struct(">IIIIH")
+_COUNT = struct.Struct(">I")
+_ID = struct.Struct(">I")
 
 #: ORDER flag: these paths are the job's next epoch, sent while it reads the current
 #: one, so the daemon can lay out what it reads now in the order it will read next.
@@ -60,6 +77,11 @@ class Kind(enum.IntEnum):
     ORDER = 1
     END = 2
     REPLY = 3
+    STATUS = 4
+    STATUS_REPLY = 5
+    WARM = 6
+    WARM_REPLY = 7
+    CANCEL = 8
 
 
 #: Per-kind body limits, so a tiny END or REPLY cannot announce 256 MiB.
@@ -67,9 +89,14 @@ MAX_BODY = {
     Kind.ORDER: MAX_BODY_BYTES,
     Kind.END: _JOB_LEN.size + MAX_JOB_BYTES,
     Kind.REPLY: 1 + MAX_REASON_BYTES,
+    Kind.STATUS: 0,
+    Kind.STATUS_REPLY: MAX_STATUS_BYTES,
+    Kind.WARM: MAX_BODY_BYTES,
+    Kind.WARM_REPLY: _ID.size,
+    Kind.CANCEL: _ID.size,
 }
-#: The flag bits each kind may carry.
-FLAGS = {Kind.ORDER: FLAG_NEXT_EPOCH | FLAG_NEXT_FOLLOWS, Kind.END: 0, Kind.REPLY: 0}
+#: The flag bits each kind may carry: only an ORDER has any.
+FLAGS = {kind: 0 for kind in Kind} | {Kind.ORDER: FLAG_NEXT_EPOCH | FLAG_NEXT_FOLLOWS}
 
 
 class Header(NamedTuple):
@@ -107,7 +134,52 @@ class Reply:
     reason: str = ""
 
 
-Message = Order | End | Reply
+@dataclass(frozen=True, slots=True)
+class StatusQuery:
+    """What is the mount doing? (`bucketfs status`; the daemon answers a StatusReport)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    """The daemon's live view of its mount: a JSON object (docs/HINTS.md)."""
+
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Warm:
+    """Fetch these files (relative to the mount root) into the cache, in this order."""
+
+    paths: Sequence[str]
+
+
+@dataclass(frozen=True, slots=True)
+class WarmStarted:
+    """The id of the warm job a Warm started (STATUS reports its progress)."""
+
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelWarm:
+    """Stop warm job `id`; what it cached stays cached."""
+
+    id: int
+
+
+Message = Order | End | Reply | StatusQuery | StatusReport | Warm | WarmStarted | CancelWarm
+
+_KINDS: dict[type, Kind] = {
+    Order: Kind.ORDER, End: Kind.END, Reply: Kind.REPLY, StatusQuery: Kind.STATUS,
+    StatusReport: Kind.STATUS_REPLY, Warm: Kind.WARM, WarmStarted: Kind.WARM_REPLY,
+    CancelWarm: Kind.CANCEL,
+}
+#: What only the daemon sends.
+REPLIES = (Reply, StatusReport, WarmStarted)
+
+
+def kind_of(message: Message) -> Kind:
+    return _KINDS[type(message)]
 
 
 def error_reply(reason: str) -> Reply:
@@ -137,6 +209,26 @@ def encode(message: Message) -> bytes:
     if isinstance(message, End):
         job = _encode_job(message.job)
         return _frame(Kind.END, _JOB_LEN.pack(len(job)) + job)
+    if isinstance(message, StatusQuery):
+        return _frame(Kind.STATUS, b"")
+    if isinstance(message, StatusReport):
+        if not isinstance(message.data, dict):
+            raise ProtocolError("a status report is a JSON object")
+        try:
+            text = _canonical_json(message.data)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"a status report is not JSON: {exc}") from None
+        return _frame(Kind.STATUS_REPLY, text.encode("ascii"))
+    if isinstance(message, Warm):
+        if not message.paths:
+            raise ProtocolError("a WARM names no path")
+        if len(message.paths) > MAX_PATHS:
+            raise ProtocolError(f"{len(message.paths)} paths in one WARM (limit {MAX_PATHS})")
+        return _frame(Kind.WARM, _COUNT.pack(len(message.paths))
+                      + _encode_paths(message.paths))
+    if isinstance(message, WarmStarted | CancelWarm):
+        _check_warm_id(message.id)
+        return _frame(kind_of(message), _ID.pack(message.id))
     if "\n" in message.reason:
         raise ProtocolError("a reply's reason must be one line")
     reason = message.reason.encode("utf-8", "replace")
@@ -153,6 +245,12 @@ def _frame(kind: Kind, body: bytes, flags: int = 0) -> bytes:
 def _encode_job(job: str) -> bytes:
     _check_job(job)
     return job.encode("utf-8")
+
+
+def _canonical_json(data: object) -> str:
+    # One text per value, so a report decodes and encodes back to the same bytes.
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False)
 
 
 def _encode_paths(paths: Sequence[str]) -> bytes:
@@ -208,6 +306,20 @@ def decode_body(kind: Kind, body: bytes | bytearray, flags: int = 0) -> Message:
         if rest:
             raise ProtocolError(f"{len(rest)} trailing bytes after an END")
         return End(job)
+    if kind is Kind.STATUS:
+        if view:
+            raise ProtocolError(f"{len(view)} bytes in a STATUS body (it has none)")
+        return StatusQuery()
+    if kind is Kind.STATUS_REPLY:
+        return StatusReport(_decode_status(view))
+    if kind is Kind.WARM:
+        return _decode_warm(view)
+    if kind in (Kind.WARM_REPLY, Kind.CANCEL):
+        if len(view) != _ID.size:
+            raise ProtocolError(f"a {kind.name} body is {_ID.size} bytes, not {len(view)}")
+        (number,) = _ID.unpack(view)
+        _check_warm_id(number)
+        return WarmStarted(number) if kind is Kind.WARM_REPLY else CancelWarm(number)
     if not view or view[0] not in (0, 1):
         raise ProtocolError("a reply's status must be 0 or 1")
     reason = _utf8(view[1:], "a reply's reason")
@@ -247,6 +359,47 @@ def _decode_order(view: memoryview, flags: int) -> Order:
     return Order(job, rank, world_size, epoch, paths, next_epoch, next_follows)
 
 
+def _decode_status(view: memoryview) -> dict[str, Any]:
+    text = _utf8(view, "a status report")
+
+    def no_constants(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        data = json.loads(text, parse_constant=no_constants)
+    except RecursionError:
+        raise ProtocolError("a status report is nested too deeply") from None
+    except ValueError as exc:  # also an integer of more digits than Python converts
+        raise ProtocolError(f"a status report is not JSON: {str(exc).splitlines()[0]}") \
+            from None
+    if not isinstance(data, dict):
+        raise ProtocolError("a status report must be a JSON object")
+    try:
+        canonical = _canonical_json(data) == text
+    except (ValueError, RecursionError):  # 1e400 reads as inf, which JSON cannot hold
+        canonical = False
+    if not canonical:
+        raise ProtocolError("a status report is not in canonical JSON form")
+    return data
+
+
+def _decode_warm(view: memoryview) -> Warm:
+    if len(view) < _COUNT.size:
+        raise ProtocolError(f"WARM body of {len(view)} bytes is too short")
+    (count,) = _COUNT.unpack_from(view)
+    if count == 0:
+        raise ProtocolError("a WARM names no path")
+    if count > MAX_PATHS:
+        raise ProtocolError(f"{count} paths in one WARM (limit {MAX_PATHS})")
+    text = _utf8(view[_COUNT.size:], "a path")
+    found = text.count("\0") + 1
+    if found != count:
+        raise ProtocolError(f"WARM says {count} paths but holds {found}")
+    paths = text.split("\0")
+    _check_paths(text, paths)
+    return Warm(paths)
+
+
 def _decode_job(view: memoryview) -> tuple[str, memoryview]:
     if len(view) < _JOB_LEN.size:
         raise ProtocolError("missing job id")
@@ -275,6 +428,11 @@ def _check_flags(kind: Kind, flags: int) -> None:
     if flags & FLAG_NEXT_EPOCH and flags & FLAG_NEXT_FOLLOWS:
         raise ProtocolError("an order of the next epoch announces no other (flags "
                             f"{flags:#x})")
+
+
+def _check_warm_id(number: int) -> None:
+    if not 0 < number <= MAX_WARM_ID:
+        raise ProtocolError(f"warm job id {number} out of range 1..{MAX_WARM_ID}")
 
 
 def _check_job(job: str) -> None:

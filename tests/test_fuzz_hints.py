@@ -1,7 +1,8 @@
 """Hostile hints: garbage frames raise only ProtocolError with one line, every frame that
 decodes is exactly what its message encodes to, valid messages round-trip, and the
 daemon's socket answers garbage with the one error reply the protocol predicts (or just
-closes, for a client that sent nothing) and goes on serving the next client."""
+closes, for a client that sent nothing) and goes on serving the next client. The control
+kinds (STATUS, WARM, CANCEL and their replies) are fuzzed alongside hints."""
 
 from __future__ import annotations
 
@@ -27,14 +28,21 @@ from bucketfs.hints.protocol import (
     MAX_PATH_BYTES,
     MAX_PATHS,
     MAX_REASON_BYTES,
+    MAX_STATUS_BYTES,
+    MAX_WARM_ID,
     MAX_WORLD_SIZE,
     VERSION,
+    CancelWarm,
     End,
     Kind,
     Message,
     Order,
     ProtocolError,
     Reply,
+    StatusQuery,
+    StatusReport,
+    Warm,
+    WarmStarted,
     decode,
     decode_body,
     encode,
@@ -42,7 +50,7 @@ from bucketfs.hints.protocol import (
     parse_header,
 )
 from tests.fuzzing import fuzz, one_line
-from tests.test_hints_server import Daemon, daemon_thread
+from tests.test_hints_server import STATUS, WARM_ID, Daemon, daemon_thread
 
 ORDER_FIXED = struct.Struct(">IIIIH")
 U32 = (1 << 32) - 1
@@ -78,7 +86,18 @@ orders = st.builds(
     good_job, st.lists(good_path, max_size=8), st.sampled_from([0, 1, 2]))
 replies = st.builds(Reply, st.booleans(), st.text(st.characters(
     codec="utf-8", exclude_characters="\n"), max_size=MAX_REASON_BYTES // 4))
-messages = st.one_of(orders, good_job.map(End), replies)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=3),
+    max_leaves=12)
+reports = st.dictionaries(st.text(max_size=8), json_values, max_size=5).map(StatusReport)
+warm_ids = st.integers(1, MAX_WARM_ID)
+controls = st.one_of(st.just(StatusQuery()), reports,
+                     st.lists(good_path, min_size=1, max_size=6).map(Warm),
+                     warm_ids.map(WarmStarted), warm_ids.map(CancelWarm))
+messages = st.one_of(orders, good_job.map(End), replies, controls)
 
 
 @st.composite
@@ -121,8 +140,26 @@ def mutated(draw: st.DrawFn) -> bytes:
     return bytes(data)
 
 
+@st.composite
+def warm_bodies(draw: st.DrawFn) -> bytes:
+    """A WARM body whose count and paths may lie."""
+    paths = draw(st.lists(good_path | bad_path, max_size=5))
+    blob = b"\0".join(p.encode("utf-8", "surrogatepass") for p in paths)
+    count = draw(st.one_of(st.just(len(paths)), st.integers(0, 4),
+                           st.sampled_from([MAX_PATHS + 1, U32])))
+    return struct.pack(">I", count) + blob
+
+
+# JSON texts a status reply may carry, canonical or not, and some that are not JSON.
+status_bodies = st.one_of(
+    reports.map(lambda r: encode(r)[HEADER_SIZE:]),
+    st.sampled_from([b"{}", b"{ }", b'{"b":1,"a":2}', b"[]", b"1", b'"x"', b"{\"a\":NaN}",
+                     b'{"a":1e400}', b'{"a":1.0e0}', b'{"a":"\xc3\xa9"}', b"[" * 5000,
+                     b'{"a":' + b"9" * 5000 + b"}", b"\xff", b"", b'{"a":1}x']),
+    st.binary(max_size=40))
+
 # Kinds and flags near the valid ones, and anything else.
-kinds = st.sampled_from([1, 2, 3]) | st.integers(0, 255)
+kinds = st.sampled_from(list(Kind)) | st.integers(0, 255)
 flags = st.sampled_from([0, 1, 2, 3, 4, 0x8000]) | st.integers(0, 0xFFFF)
 frames = st.one_of(
     st.binary(max_size=64),
@@ -134,6 +171,10 @@ frames = st.one_of(
     st.builds(frame, st.just(Kind.END), st.binary(max_size=40).map(
         lambda j: struct.pack(">H", len(j)) + j)),
     st.builds(frame, st.just(Kind.REPLY), st.binary(max_size=40)),
+    st.builds(frame, st.just(Kind.WARM), warm_bodies()),
+    st.builds(frame, st.just(Kind.STATUS_REPLY), status_bodies),
+    st.builds(frame, st.sampled_from([Kind.WARM_REPLY, Kind.CANCEL]),
+              st.binary(min_size=0, max_size=6)),
     mutated(),
 )
 
@@ -157,6 +198,14 @@ def assert_valid(message: Message) -> None:
         assert not bad, bad[:3]
     if isinstance(message, Reply):
         assert "\n" not in message.reason
+    if isinstance(message, Warm):
+        assert 0 < len(message.paths) <= MAX_PATHS
+        bad = [p for p in message.paths if not valid_path(p)]
+        assert not bad, bad[:3]
+    if isinstance(message, WarmStarted | CancelWarm):
+        assert 0 < message.id <= MAX_WARM_ID
+    if isinstance(message, StatusReport):
+        assert isinstance(message.data, dict)
 
 
 def decoded(data: bytes) -> Message | ProtocolError:
@@ -174,6 +223,8 @@ def same(a: Message, b: Message) -> bool:
     if isinstance(a, Order) and isinstance(b, Order):
         return a == Order(b.job, b.rank, b.world_size, b.epoch, list(b.paths),
                           b.next_epoch, b.next_follows)
+    if isinstance(a, Warm) and isinstance(b, Warm):
+        return list(a.paths) == list(b.paths)
     return a == b
 
 
@@ -199,7 +250,9 @@ def test_a_header_is_refused_or_within_its_kinds_limits(header):
         return
     assert header[:5] == MAGIC + bytes([VERSION]) and kind in Kind
     assert length <= {Kind.ORDER: 256 << 20, Kind.END: 2 + MAX_JOB_BYTES,
-                      Kind.REPLY: 1 + MAX_REASON_BYTES}[kind]
+                      Kind.REPLY: 1 + MAX_REASON_BYTES, Kind.STATUS: 0,
+                      Kind.STATUS_REPLY: MAX_STATUS_BYTES, Kind.WARM: 256 << 20,
+                      Kind.WARM_REPLY: 4, Kind.CANCEL: 4}[kind]
     assert flag_bits in ((0, 1, 2) if kind is Kind.ORDER else (0,))
     for cut in range(HEADER_SIZE):
         with pytest.raises(ProtocolError, match="truncated header"):
@@ -301,8 +354,12 @@ def expected(data: bytes) -> tuple[Reply | None, Message | None]:
         message = decode_body(kind, body, flag_bits)
     except ProtocolError as exc:
         return error_reply(str(exc)), None
-    if isinstance(message, Reply):
-        return error_reply("a client may not send a REPLY"), None
+    if isinstance(message, Reply | StatusReport | WarmStarted):
+        return error_reply(f"a client may not send a {kind.name}"), None
+    if isinstance(message, StatusQuery):
+        return StatusReport(STATUS), message
+    if isinstance(message, Warm):
+        return WarmStarted(WARM_ID), message
     return Reply(True), message
 
 
@@ -333,6 +390,7 @@ GOOD = Order("fuzz-good", 0, 1, 0, ["train/a.jpg"])
 def test_the_server_answers_garbage_as_predicted_and_serves_the_next_client(hints_daemon, data):
     path, daemon = hints_daemon
     orders, ends = len(daemon.orders), len(daemon.ends)
+    warms, cancels = len(daemon.warms), len(daemon.cancels)
     reply, message = expected(data)
     received = send(path, data)
     if reply is None:
@@ -341,11 +399,18 @@ def test_the_server_answers_garbage_as_predicted_and_serves_the_next_client(hint
     else:
         got = decode(received)
         assert got == reply
-        assert got.ok or one_line(got.reason)
-        event("ok" if got.ok else "error reply")
+        if isinstance(got, Reply):
+            assert got.ok or one_line(got.reason)
+            event("ok" if got.ok else "error reply")
+        else:
+            event(type(got).__name__)
     # The daemon heard of exactly the message the frame holds, and of nothing else.
     assert daemon.orders[orders:] == ([message] if isinstance(message, Order) else [])
     assert daemon.ends[ends:] == ([message.job] if isinstance(message, End) else [])
+    assert daemon.warms[warms:] == ([list(message.paths)] if isinstance(message, Warm)
+                                    else [])
+    assert daemon.cancels[cancels:] == ([message.id] if isinstance(message, CancelWarm)
+                                        else [])
     # And the next client is served as if nothing happened.
     assert decode(send(path, encode(GOOD))) == Reply(True)
     assert daemon.orders[-1] == GOOD

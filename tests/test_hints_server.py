@@ -58,12 +58,27 @@ def sock_path() -> Iterator[Path]:
     shutil.rmtree(top, ignore_errors=True)
 
 
+#: What the test daemons report on STATUS, and the id of every warm job they start.
+STATUS = {"schema": 1, "mount": {"mountpoint": "/test"}, "cache": {}, "prefetch": {},
+          "origin": {}}
+WARM_ID = 7
+
+
 class Daemon:
     """What the callbacks received."""
 
     def __init__(self) -> None:
         self.orders: list[Order] = []
         self.ends: list[str] = []
+        self.warms: list[list[str]] = []
+        self.cancels: list[int] = []
+
+    def status(self) -> dict[str, Any]:
+        return STATUS
+
+    def warm(self, paths: Any) -> int:
+        self.warms.append(list(paths))
+        return WARM_ID
 
 
 def serve(path: Path, client: Callable[[], Any], *, after_start: Callable[[], None] = lambda: None,
@@ -93,6 +108,10 @@ def daemon_thread(path: Path, **options: Any) -> Iterator[Daemon]:
     daemon = Daemon()
     options.setdefault("owner_uid", os.getuid())
     options.setdefault("on_order", daemon.orders.append)
+    options.setdefault("on_end", daemon.ends.append)
+    options.setdefault("on_status", daemon.status)
+    options.setdefault("on_warm", daemon.warm)
+    options.setdefault("on_cancel", daemon.cancels.append)
     started = threading.Event()
     state: dict[str, Any] = {}
 
@@ -100,8 +119,7 @@ def daemon_thread(path: Path, **options: Any) -> Iterator[Daemon]:
         async with trio.open_nursery() as nursery:
             state["scope"] = nursery.cancel_scope
             state["token"] = trio.lowlevel.current_trio_token()
-            await nursery.start(partial(serve_hints, path, on_end=daemon.ends.append,
-                                        **options))
+            await nursery.start(partial(serve_hints, path, **options))
             started.set()
 
     def run() -> None:
@@ -198,7 +216,7 @@ def test_a_million_paths_arrive(sock_path):
     (os.urandom(1000).replace(b"B", b"x"), "bad magic"),
     (header(magic=b"GET "), "bad magic"),
     (header(version=VERSION + 1), "unsupported protocol version"),
-    (header(kind=7), "unknown message kind 7"),
+    (header(kind=9), "unknown message kind 9"),
     (header(length=0xFFFF_FFFF), "over the limit"),
     (header(length=100) + b"x" * 50, "truncated body: 50 of 100 bytes"),
     (GOOD[:7], "truncated header: 7 of 12 bytes"),

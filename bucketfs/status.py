@@ -1,0 +1,255 @@
+"""`bucketfs status`: the daemon's live view of its mount, answered on the hints socket
+(a STATUS request, docs/HINTS.md) and rendered by `bucketfs/status_view.py`.
+
+The snapshot is built in the trio thread, from the very counters `/metrics` reads
+(`bucketfs/metrics.py`): the cache's per-tier figures (`BlockCache.tiers`, `stats`), the
+object store's request counts, the reader's read-ahead, hinted prefetch's snapshot and
+counters, `tasks.failures`, and the warm jobs. So the two agree, and both agree with
+what the origin saw: a request counts once per attempt, retries included. (The one
+exception is the mount-time access check, a LIST or HEAD made before the mount's own
+store exists: neither counts it.)
+
+Only the throughput needs a history: a task samples the origin's byte and request
+counts once a second and keeps the last ten seconds, so the rate shown is recent, not
+an average since the mount.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from bucketfs import __version__, tasks
+from bucketfs.backends.store import ObjectStore
+from bucketfs.backends.urls import BucketUrl
+from bucketfs.cache.tiered import BlockCache
+from bucketfs.config import Config
+from bucketfs.prefetcher import HintedPrefetch
+from bucketfs.reader import Reader
+from bucketfs.warm import WarmJobs
+
+#: Bumped when a key changes meaning or goes away (new keys may come at any time).
+SCHEMA = 1
+REQUEST_KINDS = ("get", "head", "list")
+SAMPLE_S = 1.0
+#: The throughput shown is over (at most) this many seconds.
+RATE_WINDOW_S = 10.0
+
+#: List prices per 1,000 requests in USD, for an estimate of what the mount's requests
+#: cost: storage in the Standard class, without data transfer (free to a node in the
+#: bucket's region, priced per GB elsewhere). Sources, as of November 2026:
+#: S3: https://aws.amazon.com/s3/pricing/ ("Requests & data retrievals", S3 Standard,
+#:     US East (N. Virginia)): GET, SELECT and all other requests (HEAD) $0.0004;
+#:     PUT, COPY, POST, LIST $0.005.
+#: GCS: https://cloud.google.com/storage/pricing#operations-pricing (Standard storage
+#:     in a region): Class B (objects.get, metadata reads) $0.0004; Class A
+#:     (objects.list) $0.005.
+#: Other regions and classes cost more or less: these are estimates, labelled so.
+REQUEST_PRICES: dict[str, dict[str, float]] = {
+    "s3": {"get": 0.0004, "head": 0.0004, "list": 0.005},
+    "gs": {"get": 0.0004, "head": 0.0004, "list": 0.005},
+}
+PRICE_NAMES = {
+    "s3": "AWS S3 Standard list prices (us-east-1)",
+    "gs": "Google Cloud Storage Standard list prices (regional)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MountFacts:
+    """What the mount is, fixed at mount time."""
+
+    url: str
+    scheme: str
+    endpoint: str
+    mountpoint: str
+    block_size: int
+    metrics: str | None = None
+
+
+def facts_of(url: BucketUrl, mountpoint: str, config: Config, store: ObjectStore) -> MountFacts:
+    metrics = f"{config.metrics_address}:{config.metrics_port}" if config.metrics_port \
+        else None
+    return MountFacts(str(url), url.scheme, getattr(store.backend, "endpoint", ""),
+                      mountpoint, config.block_size, metrics)
+
+
+class MountStatus:
+    """Builds the STATUS reply; `run` samples the origin's throughput."""
+
+    def __init__(self, facts: MountFacts, cache: BlockCache, store: ObjectStore,
+                 reader: Reader, prefetch: HintedPrefetch | None, warm: WarmJobs) -> None:
+        self.facts = facts
+        self.cache = cache
+        self.store = store
+        self.reader = reader
+        self.prefetch = prefetch
+        self.warm = warm
+        self.started = time.time()
+        self._began = time.monotonic()
+        #: (monotonic time, origin bytes, origin requests), oldest first.
+        self._samples: collections.deque[tuple[float, int, int]] = collections.deque(
+            maxlen=int(RATE_WINDOW_S / SAMPLE_S) + 1)
+        self._sample()
+
+    async def run(self) -> None:
+        while True:
+            await trio.sleep(SAMPLE_S)
+            self._sample()
+
+    def _sample(self) -> None:
+        counts = self.store.counts
+        self._samples.append((time.monotonic(), counts.bytes_fetched,
+                              counts.get + counts.head + counts.list))
+
+    # --- the snapshot (trio thread) ------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "mount": self._mount(),
+            "cache": self._cache(),
+            "prefetch": self._prefetch(),
+            "origin": self._origin(),
+            "errors": self._errors(),
+            "warm": self.warm.snapshot(),
+        }
+
+    def _mount(self) -> dict[str, Any]:
+        facts = self.facts
+        started = datetime.datetime.fromtimestamp(self.started, datetime.UTC)
+        return {
+            "url": facts.url,
+            "endpoint": facts.endpoint or None,
+            "mountpoint": facts.mountpoint,
+            "pid": os.getpid(),
+            "version": __version__,
+            "started": started.isoformat(timespec="seconds"),
+            "uptime_s": round(time.monotonic() - self._began, 1),
+            "block_size": facts.block_size,
+            "hints": self.prefetch is not None,
+            "metrics": facts.metrics,
+        }
+
+    def _cache(self) -> dict[str, Any]:
+        stats, disk = self.cache.stats, self.cache.disk
+        served = {"ram": (stats.ram_hits, stats.ram_bytes_served),
+                  "ssd": (stats.disk_hits, stats.disk_bytes_served)}
+        tiers = []
+        for tier in self.cache.tiers:
+            hits, served_bytes = served[tier.name]
+            entry: dict[str, Any] = {
+                "name": tier.name, "used": tier.used, "capacity": tier.capacity,
+                "evictions": tier.evictions, "hits": hits, "served_bytes": served_bytes,
+            }
+            if tier is disk:
+                entry |= {"writable": disk.writable, "writes": stats.disk_writes,
+                          "write_queue_bytes": self.cache.queued,
+                          "chunks": disk.chunks.count, "packed_bytes": disk.chunks.live_bytes,
+                          "chunk_reads": disk.chunks.reads,
+                          # Blocks that came into RAM with an earlier member's chunk read.
+                          "read_ahead": stats.disk_read_ahead}
+            tiers.append(entry)
+        lookups = stats.ram_hits + stats.disk_hits + stats.misses
+        return {
+            "tiers": tiers,
+            "misses": stats.misses,
+            "single_flight_waits": stats.single_flight_waits,
+            "lookups": lookups,
+            # Of the lookups that ended in a tier or a GET (single-flight waits aside).
+            "hit_ratio": {
+                "ram": _ratio(stats.ram_hits, lookups),
+                "ssd": _ratio(stats.disk_hits, lookups) if disk is not None else None,
+                "total": _ratio(stats.ram_hits + stats.disk_hits, lookups),
+            },
+        }
+
+    def _prefetch(self) -> dict[str, Any]:
+        budget = self.reader.budget
+        out: dict[str, Any] = {
+            "enabled": self.prefetch is not None,
+            "readahead": {"prefetches": self.reader.prefetches,
+                          "inflight_bytes": budget.used, "budget_bytes": budget.limit},
+        }
+        prefetch = self.prefetch
+        if prefetch is None:
+            return out
+        stats = prefetch.last_stats  # what /metrics reads, refreshed at every event
+        return out | {
+            "window_limit": prefetch.scheduler.window_bytes,
+            "budget_bytes": prefetch.scheduler.budget_bytes,
+            "window_bytes": stats.window_bytes,
+            "inflight_bytes": stats.inflight_bytes,
+            "held_bytes": stats.held_bytes,
+            "in_flight": sum(1 for _ in prefetch.scheduler.in_flight()),
+            "connections": prefetch.concurrency.target,
+            "max_connections": prefetch.connections,
+            "hinted_files": stats.hinted_items,
+            "started": stats.prefetches_started,
+            "hits": stats.prefetch_hits,
+            "late": stats.late_prefetches,
+            "wasted": stats.wasted_prefetches,
+            "failed": stats.failed_fetches,
+            "orders": prefetch.orders,
+            "next_orders": prefetch.next_orders,
+            "refused_orders": prefetch.refused_orders,
+            "failed_orders": prefetch.failed_orders,
+            "unknown_paths": prefetch.unknown_paths,
+        }
+
+    def _origin(self) -> dict[str, Any]:
+        counts = self.store.counts
+        requests = {kind: getattr(counts, kind) for kind in REQUEST_KINDS}
+        now = time.monotonic()
+        since, old_bytes, old_requests = self._samples[0]
+        interval = now - since
+        total = sum(requests.values())
+        return {
+            "requests": requests,
+            "retries": counts.retries,
+            "bytes": counts.bytes_fetched,
+            "throughput": {
+                "interval_s": round(interval, 1),
+                "bytes_per_s": round((counts.bytes_fetched - old_bytes) / interval, 1)
+                if interval > 0 else 0.0,
+                "requests_per_s": round((total - old_requests) / interval, 1)
+                if interval > 0 else 0.0,
+            },
+            "cost": request_cost(self.facts.scheme, requests),
+        }
+
+    def _errors(self) -> dict[str, Any]:
+        prefetch = self.prefetch
+        return {
+            "retries": self.store.counts.retries,
+            "failed_orders": 0 if prefetch is None else prefetch.failed_orders,
+            "failed_prefetches": 0 if prefetch is None else prefetch.last_stats.failed_fetches,
+            "background_failures": tasks.failures,
+            "warm_errors": self.warm.errors,
+        }
+
+
+def request_cost(scheme: str, requests: dict[str, int]) -> dict[str, Any] | None:
+    """The estimated cost of these requests at list prices; None for a store that has
+    none (file://)."""
+    prices = REQUEST_PRICES.get(scheme)
+    if prices is None:
+        return None
+    usd = {kind: requests[kind] * prices[kind] / 1000 for kind in REQUEST_KINDS}
+    return {
+        "estimate": True,
+        "prices": PRICE_NAMES[scheme],
+        "usd_per_1000": dict(prices),
+        "usd": {kind: round(value, 6) for kind, value in usd.items()}
+        | {"total": round(sum(usd.values()), 6)},
+    }
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None
