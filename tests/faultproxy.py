@@ -244,6 +244,10 @@ class _Connection:
             request.method, request.target, skip_host=True, skip_accept_encoding=True
         )
         for name, value in request.headers:
+            if self.proxy.flavor == "gcs" and name.lower() == "host":
+                # Unsigned requests, and the emulator routes its XML API (what obstore
+                # speaks) by the Host it was told to answer for: its own.
+                value = "{}:{}".format(*self.proxy.upstream)
             self.upstream.putheader(name, value)
         self.upstream.endheaders(request.body or None)
         return self.upstream.getresponse()

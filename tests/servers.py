@@ -300,6 +300,8 @@ class GcsServer(ServerProcess):
                 f"-port={port}",
                 "-backend=memory",
                 f"-external-url={self.endpoint}",
+                # The XML API (what obstore's GCS client speaks) answers for this host.
+                f"-public-host=127.0.0.1:{port}",
                 "-log-level=warn",
             ]
         )

@@ -215,7 +215,9 @@ class GcsHarness(Harness):
         return self.backend(bucket="no-such-bucket-" + uuid.uuid4().hex[:8])
 
     def path_of(self, key: str) -> str:
-        return f"/b/{self.bucket}/o/{quote(key, safe='')}"
+        """What the path of a GET of `key` holds: obstore reads through the XML API,
+        /BUCKET/KEY, and percent-encodes the bucket's "-" (t-HEX): its HEX part, then."""
+        return f"{self.bucket.rpartition('-')[2]}/{quote(key)}"
 
 
 def new_harness(request: pytest.FixtureRequest, kind: str) -> Harness:

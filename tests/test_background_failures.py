@@ -70,7 +70,7 @@ def test_telling_the_kernel_to_forget_a_name_never_raises(monkeypatch):
 
 
 class BrokenDisk:
-    """An SSD tier with a bug in `put`."""
+    """An SSD tier with a bug in `put_many`."""
 
     block_size = 4 * MiB
     writable = True
@@ -81,7 +81,7 @@ class BrokenDisk:
     def get(self, block, ahead=0):
         return None
 
-    def put(self, block, data, cost):
+    def put_many(self, blocks):
         raise RuntimeError("a bug in the SSD tier")
 
 

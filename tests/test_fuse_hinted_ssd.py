@@ -68,8 +68,8 @@ def test_ssd_at_half_the_dataset_keeps_what_min_keeps(tmp_path):
     assert plain[0] == FILES  # cold: every file once
     # Cold with hints: a few files fetched for the window, not kept on SSD (full of files
     # still to be read) and let go by the small RAM before their read, are fetched again
-    # (measured: 0-5).
-    assert FILES <= hinted[0] <= FILES + 10
+    # (measured: 0-5 on a quiet machine, up to 18 with the other core busy).
+    assert FILES <= hinted[0] <= FILES + 20
     # Each later epoch can hit at most what the caches hold when it starts: MIN gets
     # SSD_FILES hits per epoch plus a few from RAM (about 67 GETs). Hinted eviction keeps
     # what the epoch has yet to read (measured: 70-78 GETs per epoch); the configured

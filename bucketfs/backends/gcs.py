@@ -1,15 +1,17 @@
-"""gs:// backend on google-cloud-storage.
+"""gs:// backend: google-cloud-storage for credentials, listings, HEADs and errors;
+ranged GETs through obstore (fastget.py says why), with the same credentials.
 
-Every call passes retry=None: `bucketfs.backends.retry` is the only place that retries,
-so every attempt here is exactly one HTTP request. With STORAGE_EMULATOR_HOST set the
-client talks to that emulator, anonymously.
+Every SDK call passes retry=None and obstore's retries are off:
+`bucketfs.backends.retry` is the only place that retries, so every attempt here is
+exactly one HTTP request. With STORAGE_EMULATOR_HOST set both talk to that emulator,
+anonymously (obstore through its XML API: the emulator must answer for its host).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import google.auth
 import requests
@@ -20,6 +22,8 @@ from google.auth.credentials import AnonymousCredentials, Credentials
 from google.auth.transport.requests import AuthorizedSession
 from google.cloud import storage
 from google.cloud.storage import exceptions as storage_exceptions
+from obstore.auth.google import GoogleCredentialProvider
+from obstore.store import GCSStore
 
 from bucketfs.backends.base import (
     AccessDenied,
@@ -39,6 +43,7 @@ from bucketfs.backends.common import (
     public_endpoint,
     retry_after,
 )
+from bucketfs.backends.fastget import RETRY_CONFIG, RangedGets, client_options
 from bucketfs.backends.settings import BackendSettings
 
 log = logging.getLogger(__name__)
@@ -69,6 +74,19 @@ def _credentials(bucket: str, settings: BackendSettings) -> tuple[Credentials, s
     return credentials, settings.gcs_project or project or "anonymous"
 
 
+def _fast_store(bucket: str, api_endpoint: str, credentials: Credentials,
+                settings: BackendSettings) -> GCSStore:
+    """An obstore GCSStore reaching the bucket the way the SDK client does."""
+    options: dict[str, Any] = {"base_url": api_endpoint,
+                               "client_options": client_options(api_endpoint, settings),
+                               "retry_config": RETRY_CONFIG}
+    if isinstance(credentials, AnonymousCredentials):
+        options["skip_signature"] = True
+    else:
+        options["credential_provider"] = GoogleCredentialProvider(credentials)
+    return GCSStore(bucket, **options)
+
+
 class GcsBackend:
     def __init__(self, bucket: str, settings: BackendSettings) -> None:
         self.bucket = bucket
@@ -89,6 +107,13 @@ class GcsBackend:
         self._client._bucket_metadata_cache = None
         self._bucket = self._client.bucket(bucket)
         self.endpoint = public_endpoint(self._client.api_endpoint)
+        self._gets = RangedGets(
+            _fast_store(bucket, self._client.api_endpoint, credentials, settings),
+            where=lambda key: f"{self._where(key)} via {self.endpoint}",
+            # Naming the generation makes GCS answer 404 once it is gone; the answer's
+            # own generation (x-goog-generation) is checked as well.
+            pinned=lambda version: {"version": version},
+            answered=lambda meta: None if meta.get("version") is None else str(meta["version"]))
 
     def close(self) -> None:
         self._client.close()
@@ -129,35 +154,7 @@ class GcsBackend:
         return self._info(blob)
 
     def get_range(self, key: str, version: str, start: int, length: int) -> bytes:
-        if length == 0:
-            return b""
-        generation = int(version)
-        # Naming the generation makes GCS answer 404 once it is no longer stored (and
-        # fake-gcs-server does too; it ignores ifGenerationMatch). ifGenerationMatch
-        # also refuses a version that is kept but no longer live, on versioned buckets.
-        blob = self._bucket.blob(key, generation=generation)
-        try:
-            data = blob.download_as_bytes(
-                start=start,
-                end=start + length - 1,
-                raw_download=True,
-                checksum=None,
-                if_generation_match=generation,
-                single_shot_download=True,
-                retry=None,
-                timeout=self._timeout,
-            )
-        except _FAILURES as exc:
-            self._raise(exc, key, VersionChanged)
-        # The download set blob.generation from the response's x-goog-generation header
-        # (None without one): a store that ignored both conditions sent another version.
-        self._check_version(key, generation, blob.generation)
-        if len(data) != length:
-            raise TransientError(
-                f"{self._where(key)}: short read, {len(data)} of {length} bytes "
-                f"at offset {start}"
-            )
-        return data
+        return self._gets.get_range(key, version, start, length)
 
     @staticmethod
     def _info(blob: storage.Blob) -> ObjectInfo:

@@ -1,13 +1,15 @@
-"""s3:// backend on boto3.
+"""s3:// backend: boto3 for credentials, listings, HEADs and errors; ranged GETs through
+obstore (fastget.py says why), signed with the credentials boto3's chain found.
 
 Credentials, region and endpoint come from the SDK's standard chain unless the settings
-name them. botocore's own retries are off: `bucketfs.backends.retry` is the only place
-that retries, so every attempt here is exactly one HTTP request.
+name them. Neither SDK retries: `bucketfs.backends.retry` is the only place that
+retries, so every attempt here is exactly one HTTP request.
 """
 
 from __future__ import annotations
 
 from typing import Any, NoReturn
+from urllib.parse import urlsplit, urlunsplit
 
 import boto3
 from botocore.config import Config
@@ -23,6 +25,8 @@ from botocore.exceptions import (
     ProfileNotFound,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
+from obstore.auth.boto3 import Boto3CredentialProvider
+from obstore.store import S3Store
 
 from bucketfs.backends.base import (
     AccessDenied,
@@ -42,6 +46,7 @@ from bucketfs.backends.common import (
     public_endpoint,
     retry_after,
 )
+from bucketfs.backends.fastget import RETRY_CONFIG, RangedGets, client_options
 from bucketfs.backends.settings import BackendSettings
 
 _DENIED_CODES = frozenset(
@@ -77,6 +82,29 @@ _CREDENTIAL_ERRORS = (
 )
 
 
+def _fast_store(bucket: str, client: Any, session: boto3.session.Session,
+                settings: BackendSettings) -> S3Store:
+    """An obstore S3Store reaching the bucket the way the boto3 client does: its endpoint
+    (none for AWS itself, where the region says where), addressing style, region and
+    credentials (refreshed through the session; none: unsigned, as a public bucket)."""
+    endpoint = client.meta.endpoint_url
+    aws = urlsplit(endpoint).hostname.endswith(".amazonaws.com")  # type: ignore[union-attr]
+    virtual = settings.addressing_style == "virtual" or (
+        settings.addressing_style == "auto" and aws)
+    options: dict[str, Any] = {
+        "region": client.meta.region_name, "virtual_hosted_style_request": virtual,
+        "client_options": client_options(endpoint, settings), "retry_config": RETRY_CONFIG}
+    if not aws:
+        parts = urlsplit(endpoint)
+        options["endpoint"] = endpoint if not virtual else \
+            urlunsplit(parts._replace(netloc=f"{bucket}.{parts.netloc}"))
+    if session.get_credentials() is None:
+        options["skip_signature"] = True
+    else:
+        options["credential_provider"] = Boto3CredentialProvider(session)
+    return S3Store(bucket, **options)
+
+
 def _etag(value: str) -> str:
     return value.strip('"')
 
@@ -104,6 +132,11 @@ class S3Backend:
             kind, reason = _classify(exc, BackendError)
             raise kind(f"{self.url}: {one_line(reason)}") from None
         self.endpoint = public_endpoint(self._client.meta.endpoint_url)
+        self._gets = RangedGets(
+            _fast_store(bucket, self._client, session, settings),
+            where=lambda key: f"{self._where(key)} via {self.endpoint}",
+            pinned=lambda version: {"if_match": f'"{version}"'},
+            answered=lambda meta: None if meta.get("e_tag") is None else _etag(meta["e_tag"]))
 
     def close(self) -> None:
         self._client.close()
@@ -155,42 +188,7 @@ class S3Backend:
         )
 
     def get_range(self, key: str, version: str, start: int, length: int) -> bytes:
-        if length == 0:
-            return b""
-        try:
-            resp = self._client.get_object(
-                Bucket=self.bucket,
-                Key=key,
-                Range=f"bytes={start}-{start + length - 1}",
-                IfMatch=f'"{version}"',
-            )
-            body = resp["Body"]
-            try:
-                # Before the body: a store that ignored If-Match sent another version.
-                self._check_version(key, version, resp.get("ETag"))
-                # StreamingBody checks Content-Length and raises on a short body.
-                data = body.read()
-            finally:
-                body.close()
-        except (ClientError, BotoCoreError) as exc:
-            # Deleted since the version was taken: that version is gone, like a 412.
-            self._raise(exc, key, VersionChanged)
-        if len(data) != length:
-            raise TransientError(
-                f"{self._where(key)}: short read, {len(data)} of {length} bytes "
-                f"at offset {start}"
-            )
-        return data
-
-    def _check_version(self, key: str, version: str, etag: str | None) -> None:
-        """The response must be the version asked for (see `Backend.get_range`)."""
-        where = f"{self._where(key)} via {self.endpoint}"
-        if etag is None:
-            raise BackendError(f"{where}: the response names no ETag, so its version "
-                               "cannot be checked")
-        if _etag(etag) != version:
-            raise VersionChanged(f"{where}: object changed (asked for ETag {version}, "
-                                 f"the store answered with {one_line(_etag(etag))})")
+        return self._gets.get_range(key, version, start, length)
 
     def _where(self, key: str | None) -> str:
         return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"

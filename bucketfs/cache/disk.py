@@ -1,9 +1,10 @@
 """The SSD tier: one file per block under the cache directory, indexed in RocksDB.
 
 Durability, in this order, so a crash at any moment leaves nothing torn under a real
-name: write `NAME.tmp`, fsync, rename to `NAME`, then record it in the index. A block
-file starts with a header naming its entry and the CRC32 of its bytes; a read checks
-both, so a stale, foreign or damaged file is a miss, never wrong data.
+name: write `NAME.tmp`, flush (one `syncfs` for a batch of blocks, durable.py), rename
+to `NAME`, then record it in the index. A block file starts with a header naming its
+entry and the CRC32 of its bytes; a read checks both, so a stale, foreign or damaged
+file is a miss, never wrong data.
 
 The index (its keys and records are schema.py's) holds, per block, a record (length,
 CRC, refetch cost and eviction state) and the block's place in the eviction order
@@ -12,17 +13,18 @@ instead be packed into chunk files laid out in read order (chunks.py): their rec
 then says where in which chunk they are, and the chunk, not the entry, has a place in
 the eviction order.
 
-Room: block files and chunks take it through one budget (`store`): under the lock, the
-write decides what it needs and room is made for it (eviction, by the policy or, with
-hints, by `HintedVictims`), its bytes counting from then on; the file is written outside
-the lock; the index is updated under it; a failure gives the room back.
+Room: block files and chunks take it through one budget (`store`, and `put_many` for
+a batch of blocks): under the lock, the write decides what it needs and room is made
+for it (eviction, by the policy or, with hints, by `HintedVictims`), its bytes counting
+from then on; the file is written outside the lock; the index is updated under it; a
+failure gives the room back.
 
-A clean close saves the few totals (bytes used, the policy's clock and gap statistics,
-the chunk totals), which the next open reads and deletes: when they are missing, the
-last run crashed, so the open scans the records once to recount them and deletes block
-and chunk files nobody indexed (a crash between rename and index). A valid cache is
-never wiped; one of an older format, whose entries do not say the span they hold, is
-started afresh.
+Startup (disk_open.py): a clean close saves the few totals (bytes used, the policy's
+clock and gap statistics, the chunk totals), which the next open reads and deletes:
+when they are missing, the last run crashed, so the open scans the records once to
+recount them and deletes block and chunk files nobody indexed (a crash between rename
+and index). A valid cache is never wiped; one of an older format, whose entries do not
+say the span they hold, is started afresh.
 
 A full disk (ENOSPC), a read-only or unwritable directory make the tier step aside for
 writes with one warning; reads keep working from RAM and the origin. Blocking: called
@@ -32,12 +34,8 @@ from worker threads, so every mutation of shared state holds `self.lock`.
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
 import logging
 import os
-import shutil
-import stat
 import struct
 import threading
 import zlib
@@ -49,33 +47,32 @@ from rocksdict import Options, Rdict, WriteBatch
 from bucketfs.cache import schema
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.chunks import ChunkStore, Decision, Reservation
-from bucketfs.cache.durable import write_durably
+from bucketfs.cache.disk_open import (
+    STEP_ASIDE,
+    CacheDirError,
+    CacheDirUnwritable,
+    OpensDirectory,
+    block_file_name,
+    open_error,
+)
+from bucketfs.cache.durable import write_many
 from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.cache.ranking import IndexRanking
 from bucketfs.cache.scans import prefixed
 from bucketfs.cache.schema import ENTRY, BlockRecord, Member
 from bucketfs.cache.tier import Hit
 from bucketfs.prefetch.eviction import RankedPolicy
-from bucketfs.private import UnsafePath, openness, private_directory
+from bucketfs.private import UnsafePath
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"BFSB1\n"
 _HEADER = struct.Struct("<IQI")  # entry-name length, data length, crc32
-#: errnos that mean "this directory cannot take writes now", not a bug.
-_STEP_ASIDE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+
+__all__ = ["CacheDirError", "CacheDirUnwritable", "DiskTier", "block_file_name"]
 
 
-class CacheDirError(Exception):
-    """The cache directory cannot be used at all (one line for the user)."""
-
-
-class CacheDirUnwritable(CacheDirError):
-    """The directory cannot take writes (permissions, read-only, full): the mount goes on
-    with a RAM-only cache."""
-
-
-class DiskTier:
+class DiskTier(OpensDirectory):
     name = "ssd"
 
     def __init__(
@@ -111,7 +108,7 @@ class DiskTier:
         except UnsafePath as exc:
             raise CacheDirError(f"cannot use cache directory {self.directory}: {exc}") from None
         except Exception as exc:  # rocksdict raises its own exception types
-            raise _open_error(self.directory, exc) from None
+            raise open_error(self.directory, exc) from None
         self.ranking = IndexRanking(self.index, policy)
         self.chunks = ChunkStore(self, self.directory / "chunks")
         try:
@@ -121,128 +118,7 @@ class DiskTier:
             raise
         except Exception as exc:  # a full or read-only device: RAM only
             self.index.close()
-            raise _open_error(self.directory, exc) from None
-
-    # --- startup ------------------------------------------------------------------------
-
-    def _private_directories(self, group: int | None) -> None:
-        """The cache holds a private bucket's bytes and key names: its directories are
-        the owner's (mode 0700), or with `group` readable by it (02750: new files take
-        the group). The directory the user named is left as it is, with a warning if it
-        is more open; the ones inside it are ours and made private."""
-        mode = 0o700 if group is None else 0o2750
-        top = self.directory
-        if not top.exists():
-            top.parent.mkdir(parents=True, exist_ok=True)
-            private_directory(top, mode, group=group)
-        else:
-            info = top.stat()
-            if info.st_uid != os.geteuid() and info.st_mode & 0o022:
-                raise UnsafePath(f"{top} belongs to uid {info.st_uid} and other users can "
-                                 "write to it")
-            if (opened := openness(top, mode)) is not None:
-                self.warnings.append(
-                    f"cache directory {top} is open to other users (mode {opened:04o}); its "
-                    f"contents are kept private, but run: chmod {mode & 0o777:o} {top}")
-        for sub in (self.data_dir, top / "chunks", top / "index"):
-            private_directory(sub, mode, group=group)
-
-    def _load(self) -> None:
-        found = self.index.get(schema.FORMAT_KEY)
-        if found not in (None, *schema.OLDER_FORMATS, schema.FORMAT):
-            raise CacheDirError(f"{self.directory} holds a cache of another format; "
-                                "clear it with: bucketfs cache clear DIR")
-        if found in schema.OLDER_FORMATS:
-            self._start_afresh(found)
-            found = None
-        identity = self.policy.identity().encode()
-        # Ranks saved by another policy are rebuilt.
-        rebuild = found is not None and self.index.get(schema.POLICY_KEY) != identity
-        saved = self.index.get(schema.STATE_KEY)
-        state = None
-        if saved is not None:
-            try:
-                state = schema.decode_state(saved)
-            except ValueError:
-                rebuild = True  # totals of another layout: recount rather than misread
-        if state is not None and not rebuild:
-            ranking = self.ranking
-            (ranking.clock, ranking.misses, self.used, ranking.gap_sum,
-             ranking.gap_count) = state
-            self.chunks.restore_totals(self.index.get(schema.CHUNK_TOTALS_KEY))
-        else:
-            self._recover(rebuild)
-        self.index[schema.FORMAT_KEY] = schema.FORMAT
-        self.index[schema.POLICY_KEY] = identity
-        if saved is not None:
-            # From now on a crash must look like one: the next open recounts.
-            batch = WriteBatch(raw_mode=True)
-            batch.delete(schema.STATE_KEY)
-            batch.delete(schema.CHUNK_TOTALS_KEY)
-            self.index.write(batch)
-            self.index.flush_wal(True)
-
-    def _start_afresh(self, found: bytes) -> None:
-        """Drop everything a cache of an older format holds: its entries do not say the
-        span they hold, so none can be trusted to be the bytes a read needs."""
-        log.warning("cache: %s was written by an older bucketfs (format %s) whose entries "
-                    "do not name the block size that cut them; starting it afresh",
-                    self.directory, found.decode())
-        self.index.delete_range(b"\0", b"\xff" * 8)
-        self.index.flush_wal(True)
-        for directory in (self.data_dir, self.chunks.directory):
-            mode = stat.S_IMODE(directory.stat().st_mode)
-            shutil.rmtree(directory, ignore_errors=True)
-            private_directory(directory, mode)
-
-    def _recover(self, rebuild: bool) -> None:
-        """Recount the records (the last run did not close cleanly, or the ranks are
-        rebuilt) and delete block files no record names."""
-        if rebuild:
-            self.ranking.clear_keys()
-        self.chunks.recover_chunks(rebuild)
-        batch = WriteBatch(raw_mode=True) if rebuild else None
-        indexed: set[str] = set()
-        broken: list[bytes] = []
-        # Blocks of every bucket this directory ever cached compete for its room alike.
-        for name, value in prefixed(self.index, ENTRY):
-            packed = schema.decode_packed(value)
-            if packed is not None:  # counted in its chunk's bytes
-                if not self.chunks.recover_member(packed):
-                    broken.append(name)  # its chunk is gone
-                continue
-            try:
-                record = schema.decode_block(value)
-                self.ranking.restored(batch, name[1:], record.length, record.cost,
-                                      record.state)
-            except (ValueError, TypeError, IndexError, OverflowError, struct.error):
-                broken.append(name)  # not a record this code wrote: a miss
-                continue
-            indexed.add(block_file_name(name[1:]))
-            self.used += record.length
-            if batch is not None and len(batch) >= 10_000:
-                self.index.write(batch)
-                batch = WriteBatch(raw_mode=True)
-        if batch is not None:
-            self.index.write(batch)
-        for name in broken:
-            self.index.delete(name)
-        self.chunks.finish_recovery()
-        self.index.delete(schema.CHUNK_TOTALS_KEY)
-        self._sweep(indexed)
-
-    def _sweep(self, indexed: set[str]) -> None:
-        """Delete temporary files and files no index entry names (a crash left them)."""
-        removed = 0
-        for sub in self.data_dir.iterdir():
-            if not sub.is_dir():
-                continue
-            for path in sub.iterdir():
-                if path.name not in indexed:
-                    path.unlink(missing_ok=True)
-                    removed += 1
-        if removed:
-            log.info("cache: removed %d unindexed block files from %s", removed, self.data_dir)
+            raise open_error(self.directory, exc) from None
 
     # --- naming -------------------------------------------------------------------------
 
@@ -413,7 +289,7 @@ class DiskTier:
 
     def step_aside(self, exc: Exception) -> None:
         """A write failed: stop writing if the disk will not fix it by itself."""
-        if not isinstance(exc, OSError) or exc.errno in _STEP_ASIDE:
+        if not isinstance(exc, OSError) or exc.errno in STEP_ASIDE:
             if self.writable:
                 reason = exc.strerror if isinstance(exc, OSError) else str(exc)
                 log.warning("cache: %s: the SSD tier stops taking writes (%s); reads go on "
@@ -426,36 +302,90 @@ class DiskTier:
 
     def put(self, block: BlockId, data: bytes, cost: float) -> bool:
         """Store a block durably; False if it was not stored (no room, tier stepped aside)."""
-        entry = self._entry(block)
-        if not self.writable or len(data) > self.capacity:
-            return False
-        if len(data) != schema.entry_length(entry):
-            raise ValueError(f"{len(data)} bytes for a block of {schema.entry_length(entry)}")
-        crc = zlib.crc32(data)
+        return self.put_many([(block, data, cost)]) == 1
 
-        def decide() -> Decision:
-            if entry in self.writing or self.index.get(ENTRY + entry) is not None:
-                return True
-            return Reservation(entry, self.block_path(entry), len(data), len(data),
-                               [block.key])
-
-        def write(reservation: Reservation) -> None:
-            reservation.path.parent.mkdir(exist_ok=True)
-            write_durably(reservation.path, (
-                MAGIC + _HEADER.pack(len(entry), len(data), crc) + entry, data))
-
-        def index(reservation: Reservation) -> int:
-            if self.index.get(ENTRY + entry) is not None:  # packed in a chunk meanwhile
-                reservation.path.unlink(missing_ok=True)
-                return len(data)
-            batch = WriteBatch(raw_mode=True)
-            state = self.ranking.admitted(batch, entry, len(data), cost)
-            batch.put(ENTRY + entry, schema.encode_block(
-                BlockRecord(len(data), crc, cost, state)))
-            self.index.write(batch)
+    def put_many(self, blocks: Sequence[tuple[BlockId, bytes, float]]) -> int:
+        """Store blocks durably, with one flush of the device for all of them (the
+        budget's steps of `store`, for a batch); how many are stored (already stored
+        counts)."""
+        if not self.writable:
             return 0
+        stored, planned = 0, []
+        try:
+            with self.lock:
+                for block, data, cost in blocks:
+                    entry = self._entry(block)
+                    if len(data) != schema.entry_length(entry):
+                        raise ValueError(f"{len(data)} bytes for a block of "
+                                         f"{schema.entry_length(entry)}")
+                    if entry in self.writing or self.index.get(ENTRY + entry) is not None:
+                        stored += 1
+                        continue
+                    if len(data) > self.capacity or not self._make_room(len(data),
+                                                                        [block.key]):
+                        continue
+                    # Counted from now, so concurrent writers cannot overrun the budget.
+                    self.writing[entry] = len(data)
+                    self.used += len(data)
+                    planned.append((entry, data, cost, zlib.crc32(data)))
+        except ValueError:
+            self._give_back(planned)
+            raise
+        except Exception as exc:  # RocksDB refused a read or a delete
+            self._give_back(planned)
+            self.step_aside(exc)
+            return stored
+        files = []
+        for entry, data, _, crc in planned:
+            path = self.block_path(entry)
+            path.parent.mkdir(exist_ok=True)
+            files.append((path, (MAGIC + _HEADER.pack(len(entry), len(data), crc) + entry,
+                                 data)))
+        outcomes = write_many(files)
+        return stored + self._index_blocks(planned, outcomes)
 
-        return self.store(decide, write, index)
+    def _index_blocks(self, planned: list[tuple[bytes, bytes, float, int]],
+                      outcomes: list[BaseException | None]) -> int:
+        """Record the block files written (one batch); give back the room of the rest."""
+        with self.lock:
+            batch, indexed, failed = WriteBatch(raw_mode=True), [], []
+            for item, outcome in zip(planned, outcomes, strict=True):
+                entry, data, cost, crc = item
+                if outcome is not None:
+                    failed.append(item)
+                elif self.index.get(ENTRY + entry) is not None:  # packed meanwhile
+                    self.block_path(entry).unlink(missing_ok=True)
+                    failed.append(item)
+                else:
+                    state = self.ranking.admitted(batch, entry, len(data), cost)
+                    batch.put(ENTRY + entry, schema.encode_block(
+                        BlockRecord(len(data), crc, cost, state)))
+                    indexed.append(item)
+            try:
+                self.index.write(batch)
+            except Exception as exc:  # RocksDB's own errors: none of them is recorded
+                failed += indexed
+                indexed = []
+                for entry, *_ in failed:
+                    self.block_path(entry).unlink(missing_ok=True)
+                self._give_back(failed)
+                self.step_aside(exc)
+                return 0
+            self._give_back(failed)
+            for entry, *_ in indexed:
+                self.writing.pop(entry, None)
+        for outcome in outcomes:
+            if outcome is not None:
+                self.step_aside(outcome)  # type: ignore[arg-type]
+                break
+        return len(indexed)
+
+    def _give_back(self, items: Sequence[tuple[bytes, bytes, float, int]]) -> None:
+        """Room reserved for blocks that are not stored after all (lock held)."""
+        for entry, data, *_ in items:
+            if self.writing.pop(entry, None) is not None:
+                self.used -= len(data)
+                self.ranking.cooling.pop(entry, None)
 
     def write_chunk(self, blocks: list[tuple[BlockId, bytes, float]], layout: bytes) -> bool:
         """Pack these blocks, in this order, into one chunk file (chunks.py)."""
@@ -570,19 +500,3 @@ class DiskTier:
                 log.log(logging.WARNING if self.writable else logging.INFO,
                         "cache: could not save the index of %s on close: %s",
                         self.directory, str(exc).splitlines()[0])
-
-
-def block_file_name(entry: bytes) -> str:
-    """The name of an entry's block file (under data/, in a directory of its first two
-    characters)."""
-    return hashlib.sha256(entry).hexdigest()[:40] + ".blk"
-
-
-def _open_error(directory: Path, exc: Exception) -> CacheDirError:
-    """What opening the cache directory failed with, for the user: unwritable (the
-    mount goes on with RAM only) or unusable."""
-    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    message = f"cannot use cache directory {directory}: {reason}"
-    unwritable = (isinstance(exc, OSError) and exc.errno in _STEP_ASIDE) or any(
-        s in reason for s in ("Permission denied", "Read-only file system", "No space left"))
-    return (CacheDirUnwritable if unwritable else CacheDirError)(message)

@@ -1,17 +1,27 @@
-"""Writing a cache file so that a crash at any moment leaves nothing torn under its real
-name: write `NAME.<thread>.tmp`, fsync, rename to `NAME`. The caller records it in the
-index only after this returns; the startup sweep deletes what a crash left in between."""
+"""Writing cache files so that a crash at any moment leaves nothing torn under a real
+name: write `NAME.<thread>.tmp`, make it durable, rename it to `NAME`. The caller records
+a file in the index only after this returns; the startup sweep deletes what a crash
+left in between.
+
+`write_many` does it for many files at once with one `syncfs` of their filesystem in
+place of an fsync each: a cold epoch writes a block file per small object, and one
+flush for a batch costs the daemon a fraction of what a flush per file does.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syncfs = getattr(_libc, "syncfs", None)
 
 
 def write_durably(path: Path, parts: Iterable[bytes]) -> None:
-    temporary = path.with_name(f"{path.name}.{threading.get_ident():x}.tmp")
+    temporary = _temporary(path)
     try:
         with open(temporary, "wb") as f:
             for part in parts:
@@ -22,3 +32,61 @@ def write_durably(path: Path, parts: Iterable[bytes]) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def write_many(files: Sequence[tuple[Path, Iterable[bytes]]]) -> list[BaseException | None]:
+    """Write each (path, parts) durably; per file, None or what went wrong with it (its
+    temporary file removed). One flush of the filesystem for all of them."""
+    outcomes: list[BaseException | None] = [None] * len(files)
+    written: list[int] = []
+    for i, (path, parts) in enumerate(files):
+        temporary = _temporary(path)
+        try:
+            with open(temporary, "wb") as f:
+                for part in parts:
+                    f.write(part)
+            written.append(i)
+        except Exception as exc:
+            temporary.unlink(missing_ok=True)
+            outcomes[i] = exc
+    if not written:
+        return outcomes
+    try:
+        _flush([files[i][0] for i in written])
+    except Exception as exc:  # nothing is known durable: none is renamed
+        for i in written:
+            _temporary(files[i][0]).unlink(missing_ok=True)
+            outcomes[i] = exc
+        return outcomes
+    for i in written:
+        path = files[i][0]
+        try:
+            os.rename(_temporary(path), path)
+        except Exception as exc:
+            _temporary(path).unlink(missing_ok=True)
+            outcomes[i] = exc
+    return outcomes
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f"{path.name}.{threading.get_ident():x}.tmp")
+
+
+def _flush(paths: list[Path]) -> None:
+    """Make the temporary files of `paths` durable: syncfs on their filesystem, else an
+    fsync each."""
+    if _syncfs is not None:
+        fd = os.open(paths[0].parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _syncfs(fd) == 0:
+                return
+            error = ctypes.get_errno()
+            raise OSError(error, os.strerror(error))
+        finally:
+            os.close(fd)
+    for path in paths:
+        fd = os.open(_temporary(path), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

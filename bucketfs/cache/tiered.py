@@ -4,8 +4,9 @@ the only code that knows there are tiers: readers, hinted prefetch and chunk pac
 ask it, never a tier.
 
 A block fetched from the origin goes into RAM and is written through to SSD in the
-background, so what RAM evicts is already on SSD (it "demotes" without a second copy)
-and a crash loses only writes still in the queue. The queue is bounded in bytes; a
+background, in batches that share one flush of the device, so what RAM evicts is already
+on SSD (it "demotes" without a second copy) and a crash loses only writes still in the
+queue. The queue is bounded in bytes; a
 fetch that finds it full waits for room, so a slow disk slows the reader down instead
 of silently dropping blocks.
 
@@ -21,6 +22,7 @@ a block to the one lookup under way for it (SSD read or GET); others wait on its
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -37,6 +39,12 @@ from bucketfs.cache.tier import CacheEvents, Hit, Tier
 from bucketfs.tasks import failed
 
 log = logging.getLogger(__name__)
+
+#: Write-through batches: one device flush and one index write for up to this many
+#: blocks (or bytes), by at most `_WRITERS` tasks at once.
+_BATCH_BLOCKS = 64
+_BATCH_BYTES = 32 * 1024**2
+_WRITERS = 2
 
 
 @dataclass(slots=True)
@@ -82,6 +90,9 @@ class BlockCache:
         self.writing: dict[BlockId, tuple[bytes, float]] = {}
         self.queued = 0
         self.queue_limit = max(write_queue, block_size)
+        #: Queued blocks no write-through task has taken yet, and how many tasks write.
+        self._unwritten: collections.deque[BlockId] = collections.deque()
+        self._writers = 0
         self._room = trio.Event()
         #: Set (and replaced) whenever a lookup starts: `kept` waits on it, not a clock.
         self._started = trio.Event()
@@ -157,7 +168,8 @@ class BlockCache:
             self.stats.ram_bytes_served += len(data)
             self.ram.put(block, data, cost)
             return data
-        if self.disk is not None:
+        # One index read here spares a cold miss the hop to a worker thread.
+        if self.disk is not None and self.disk.holds(block):
             hit = await trio.to_thread.run_sync(self.disk.get, block, self.ram.capacity // 4,
                                                 limiter=self.disk_limiter)
             if hit is not None:
@@ -240,23 +252,37 @@ class BlockCache:
             return
         self.queued += len(data)
         self.writing[block] = (data, cost)
-        self.nursery.start_soon(self._write_through, block)
+        self._unwritten.append(block)
+        if self._writers < _WRITERS:
+            self._writers += 1
+            self.nursery.start_soon(self._write_through)
 
-    async def _write_through(self, block: BlockId) -> None:
+    async def _write_through(self) -> None:
+        """Write queued blocks to SSD in batches (one flush of the device and one index
+        write each) until none is left: while a batch is written the next gathers."""
         assert self.disk is not None
-        data, cost = self.writing[block]
         try:
-            if await trio.to_thread.run_sync(self.disk.put, block, data, cost,
-                                             limiter=self.disk_limiter):
-                self.stats.disk_writes += 1
-        except Exception as exc:  # a bug in the SSD tier: the block stays a RAM block
-            failed("writing a block to the SSD tier", exc)
+            while self._unwritten:
+                batch, size = [], 0
+                while self._unwritten and len(batch) < _BATCH_BLOCKS and size < _BATCH_BYTES:
+                    block = self._unwritten.popleft()
+                    data, cost = self.writing[block]
+                    batch.append((block, data, cost))
+                    size += len(data)
+                try:
+                    self.stats.disk_writes += await trio.to_thread.run_sync(
+                        self.disk.put_many, batch, limiter=self.disk_limiter)
+                except Exception as exc:  # a bug in the SSD tier: they stay RAM blocks
+                    failed("writing blocks to the SSD tier", exc)
+                finally:
+                    for block, *_ in batch:
+                        del self.writing[block]
+                    self.queued -= size
+                    # Wake every waiter; each checks again whether its block fits now.
+                    self._room.set()
+                    self._room = trio.Event()
         finally:
-            del self.writing[block]
-            self.queued -= len(data)
-            # Wake every waiter; each checks again whether its block fits now.
-            self._room.set()
-            self._room = trio.Event()
+            self._writers -= 1
 
     async def flush(self) -> None:
         """Write what is still queued, or only in RAM, to SSD, so the next mount finds it
@@ -265,9 +291,10 @@ class BlockCache:
             return
         waiting = [(b, d, c) for b, (d, c) in self.writing.items()]
         waiting += list(self.ram.items())
-        for block, data, cost in waiting:
-            await trio.to_thread.run_sync(self.disk.put, block, data, cost,
+        for start in range(0, len(waiting), _BATCH_BLOCKS):
+            await trio.to_thread.run_sync(self.disk.put_many,
+                                          waiting[start:start + _BATCH_BLOCKS],
                                           limiter=self.disk_limiter)
-        # put() skips blocks a write-through task is still writing: wait for those.
+        # put_many() skips blocks a write-through task is still writing: wait for those.
         while self.writing:
             await self._room.wait()

@@ -1,0 +1,353 @@
+"""What the data path costs, in CPU per file and per GiB, against GET clients alone:
+
+    python -m bench.dataplane [--files 2000] [--file-kb 100] [--large-mib 1024]
+                              [--readers 16] [--scale 16,64] [--profile DIR] [--out DIR]
+
+On loopback SeaweedFS (unshaped), with FILES objects of about FILE_KB in an ImageFolder
+layout and one LARGE_MIB object:
+  - clients alone, in this process (its CPU from /proc/self/stat): boto3 `get_object`,
+    obstore `get`, and s3torchconnector's `S3Client.get_object`, READERS threads;
+  - bucketfs, CPU charged to the daemon (/proc/PID/stat, all threads): a cold pass of
+    READERS threads doing open/read/close in a shuffled order, with --cache-dir and RAM
+    only; warm passes from the RAM tier (page cache dropped) and from the page cache;
+  - a cold sequential read of the large object (dd bs=4M) against 8 parallel 8 MiB
+    obstore range GETs: MB/s and CPU-s per GiB;
+  - the scale runs: files/s and MB/s one daemon serves with each reader count of
+    --scale, cold and warm, with its CPU per file and per GiB.
+With --profile DIR, py-spy (--gil --native) records the daemon during the cold and warm
+passes (raw collapsed stacks, and a summary of the top frames); sampling slows the
+daemon, so a profiled run's figures are not the ones to report. Needs root (FUSE,
+drop_caches). Results: JSON and a markdown table under --out (bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.harness.procstats import cpu_seconds
+from bucketfs.runtime import daemon_pid
+from tests.mounting import bucketfs, force_unmount
+from tests.servers import S3Server
+
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+BUCKET = "dataplane"
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def self_cpu() -> float:
+    with open("/proc/self/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def make_dataset(server: S3Server, files: int, file_kb: int, large_mib: int,
+                 ) -> tuple[list[str], str]:
+    server.create_bucket(BUCKET)
+    rng = random.Random(13)
+    keys = [f"train/c{i % 20:02d}/{i:06d}.jpg" for i in range(files)]
+    client = server.client()
+
+    def put(key: str) -> None:
+        size = int(file_kb * KiB * rng.uniform(0.8, 1.2))
+        client.put_object(Bucket=BUCKET, Key=key, Body=os.urandom(size))
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(put, keys))
+    large = "large/blob.bin"
+    if large_mib:
+        # Multipart, as any uploader sends a large object.
+        from boto3.s3.transfer import TransferConfig
+        with tempfile.NamedTemporaryFile() as tmp:
+            chunk = os.urandom(8 * MiB)
+            for _ in range(large_mib // 8):
+                tmp.write(chunk)
+            tmp.flush()
+            client.upload_file(tmp.name, BUCKET, large,
+                               Config=TransferConfig(multipart_chunksize=64 * MiB))
+    return keys, large
+
+
+def parallel(items: list[str], threads: int, fn: Callable[[str], int]) -> tuple[int, float]:
+    """Run fn over items with `threads` threads; (bytes, wall seconds)."""
+    began = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(fn, items, chunksize=8))
+    return total, time.monotonic() - began
+
+
+def measure_client(name: str, keys: list[str], threads: int, get: Callable[[str], int],
+                   ) -> dict[str, Any]:
+    get(keys[0])  # connections, imports, credentials: not per-file cost
+    cpu = self_cpu()
+    total, wall = parallel(keys, threads, get)
+    used = self_cpu() - cpu
+    return {"client": name, "files": len(keys), "bytes": total, "wall_s": wall,
+            "cpu_s": used, "cpu_ms_per_file": 1000 * used / len(keys),
+            "files_per_s": len(keys) / wall}
+
+
+def clients(server: S3Server, keys: list[str], threads: int) -> list[dict[str, Any]]:
+    rows = []
+    boto = server.client()
+    rows.append(measure_client("boto3 get_object", keys, threads, lambda k: len(
+        boto.get_object(Bucket=BUCKET, Key=k)["Body"].read())))
+    try:
+        import obstore
+        from obstore.store import S3Store
+        store = S3Store(BUCKET, endpoint=server.endpoint, region=server.region,
+                        access_key_id=server.access_key, secret_access_key=server.secret_key,
+                        virtual_hosted_style_request=False, client_options={"allow_http": True})
+        rows.append(measure_client("obstore get", keys, threads,
+                                   lambda k: len(obstore.get(store, k).bytes())))
+    except ImportError:
+        pass
+    try:
+        from s3torchconnector._s3client import S3Client, S3ClientConfig
+        os.environ.update(server.env())  # its CRT client reads the credential chain
+        s3t = S3Client(region=server.region, endpoint=server.endpoint,
+                       s3client_config=S3ClientConfig(force_path_style=True))
+        rows.append(measure_client("s3torchconnector get_object", keys, threads,
+                                   lambda k: len(s3t.get_object(BUCKET, k).read())))
+    except ImportError:
+        pass
+    return rows
+
+
+def obstore_large(server: S3Server, key: str, size: int) -> dict[str, Any] | None:
+    try:
+        import obstore
+        from obstore.store import S3Store
+    except ImportError:
+        return None
+    store = S3Store(BUCKET, endpoint=server.endpoint, region=server.region,
+                    access_key_id=server.access_key, secret_access_key=server.secret_key,
+                    virtual_hosted_style_request=False, client_options={"allow_http": True})
+    part = 8 * MiB
+    starts = list(range(0, size, part))
+    cpu, began = self_cpu(), time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        total = sum(pool.map(lambda s: len(obstore.get_range(
+            store, key, start=s, end=min(size, s + part))), starts))
+    wall, used = time.monotonic() - began, self_cpu() - cpu
+    return {"reader": "obstore 8 x 8 MiB range GETs", "bytes": total, "wall_s": wall,
+            "mb_per_s": total / wall / 1e6, "cpu_s_per_gib": used / (total / GiB)}
+
+
+class Mount:
+    def __init__(self, server: S3Server, mountpoint: Path, args: list[str],
+                 prefix: str = "train") -> None:
+        self.server, self.mountpoint, self.args = server, mountpoint, args
+        self.prefix = prefix
+
+    def __enter__(self) -> Mount:
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        result = bucketfs("mount", f"s3://{BUCKET}/{self.prefix}", str(self.mountpoint),
+                          "--addressing-style", "path", *self.args,
+                          "--log-file", f"{self.mountpoint}.log", env=self.server.env())
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr)
+        self.pid = daemon_pid(str(self.mountpoint.resolve()))
+        assert self.pid is not None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        bucketfs("umount", str(self.mountpoint))
+        force_unmount(self.mountpoint)
+
+    def list_tree(self, relpaths: list[str]) -> None:
+        """List every directory first: the passes time reads, not listings."""
+        for directory in sorted({os.path.dirname(rel) for rel in relpaths}):
+            os.listdir(self.mountpoint / directory)
+
+    def read_all(self, relpaths: list[str], threads: int) -> dict[str, Any]:
+        def read(rel: str) -> int:
+            with open(self.mountpoint / rel, "rb") as f:
+                return len(f.read())
+
+        cpu = cpu_seconds(self.pid)
+        total, wall = parallel(relpaths, threads, read)
+        used = cpu_seconds(self.pid) - cpu
+        return {"files": len(relpaths), "bytes": total, "wall_s": wall,
+                "daemon_cpu_s": used, "cpu_ms_per_file": 1000 * used / len(relpaths),
+                "cpu_s_per_gib": used / (total / GiB), "files_per_s": len(relpaths) / wall,
+                "mb_per_s": total / wall / 1e6, "threads": threads}
+
+    def dd(self, rel: str) -> dict[str, Any]:
+        cpu, began = cpu_seconds(self.pid), time.monotonic()
+        subprocess.run(["dd", f"if={self.mountpoint / rel}", "of=/dev/null", "bs=4M"],
+                       check=True, capture_output=True)
+        wall, used = time.monotonic() - began, cpu_seconds(self.pid) - cpu
+        size = (self.mountpoint / rel).stat().st_size
+        return {"reader": "bucketfs, dd bs=4M", "bytes": size, "wall_s": wall,
+                "mb_per_s": size / wall / 1e6, "cpu_s_per_gib": used / (size / GiB)}
+
+
+class Profiler:
+    """py-spy recording the daemon while a pass runs (--gil --native, raw stacks)."""
+
+    def __init__(self, directory: Path | None, pid: int, name: str) -> None:
+        self.directory, self.pid, self.name = directory, pid, name
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Profiler:
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            out = self.directory / f"{self.name}.txt"
+            self.process = subprocess.Popen(
+                [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(self.pid),
+                 "--gil",
+                 "--native", "--format", "raw", "--rate", "200", "--output", str(out)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)  # attached before the pass starts
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            self.process.send_signal(2)
+            self.process.wait(timeout=60)
+            summarize(self.directory / f"{self.name}.txt")  # type: ignore[operator]
+
+
+def summarize(path: Path, top: int = 25) -> None:
+    """Write PATH.summary.txt: the frames where samples were, by self and total share."""
+    if not path.exists():
+        return
+    own, total, samples = Counter(), Counter(), 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        samples += n
+        frames = [f.split(" (")[0] for f in stack.split(";")]
+        own[frames[-1]] += n
+        for frame in set(frames):
+            total[frame] += n
+    lines = [f"{samples} samples (GIL held)"]
+    lines += ["", "self:"] + [f"{100 * n / samples:5.1f}%  {f}" for f, n in own.most_common(top)]
+    lines += ["", "total:"] + [f"{100 * n / samples:5.1f}%  {f}"
+                               for f, n in total.most_common(top)]
+    path.with_suffix(".summary.txt").write_text("\n".join(lines) + "\n")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {"machine": f"{platform.node()}, {os.cpu_count()} cores",
+                               "args": vars(args) | {"out": str(args.out),
+                                                     "profile": str(args.profile)}}
+    profile = args.profile
+    with S3Server() as server, tempfile.TemporaryDirectory(prefix="dataplane-") as work:
+        work_dir = Path(work)
+        keys, large = make_dataset(server, args.files, args.file_kb, args.large_mib)
+        rel = [k.removeprefix("train/") for k in keys]
+        random.Random(5).shuffle(rel)
+        results["clients"] = clients(server, keys, args.readers)
+        ram = ["--ram-cache", "2GiB", "--metadata-ttl", "forever"]
+        passes: dict[str, Any] = {}
+        with Mount(server, work_dir / "cached", [*ram, "--cache-dir",
+                                                   str(work_dir / "cache")]) as mnt:
+            mnt.list_tree(rel)
+            with Profiler(profile, mnt.pid, "cold-ssd"):
+                passes["cold, --cache-dir"] = mnt.read_all(rel, args.readers)
+            drop_page_cache()
+            with Profiler(profile, mnt.pid, "warm-ram"):
+                passes["warm, RAM tier"] = mnt.read_all(rel, args.readers)
+            with Profiler(profile, mnt.pid, "warm-pagecache"):
+                passes["warm, page cache"] = mnt.read_all(rel, args.readers)
+        with Mount(server, work_dir / "ramonly", ram) as mnt:
+            mnt.list_tree(rel)
+            passes["cold, RAM only"] = mnt.read_all(rel, args.readers)
+        results["passes"] = passes
+        if args.large_mib:
+            large_rows = []
+            with Mount(server, work_dir / "large", [*ram, "--cache-dir",
+                                                      str(work_dir / "cache-large")],
+                       prefix="large") as mnt:
+                drop_page_cache()
+                with Profiler(profile, mnt.pid, "large"):
+                    large_rows.append(mnt.dd(large.removeprefix("large/")))
+            base = obstore_large(server, large, args.large_mib * MiB)
+            if base is not None:
+                large_rows.append(base)
+            results["large"] = large_rows
+        scale = []
+        for readers in args.scale:
+            cache = work_dir / f"cache-scale-{readers}"
+            with Mount(server, work_dir / f"scale{readers}",
+                       [*ram, "--cache-dir", str(cache)]) as mnt:
+                mnt.list_tree(rel)
+                cold = mnt.read_all(rel, readers)
+                drop_page_cache()
+                warm = mnt.read_all(rel, readers)
+            scale.append({"readers": readers, "cold": cold, "warm_ram": warm})
+        results["scale"] = scale
+    return results
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [f"Machine: {results['machine']}", "",
+             "| data path | CPU per file | files/s | wall |", "| --- | ---: | ---: | ---: |"]
+    for row in results["clients"]:
+        lines.append(f"| {row['client']} (in the reader) | {row['cpu_ms_per_file']:.2f} ms "
+                     f"| {row['files_per_s']:.0f} | {row['wall_s']:.2f} s |")
+    for name, row in results["passes"].items():
+        lines.append(f"| bucketfs {name} (daemon) | {row['cpu_ms_per_file']:.2f} ms "
+                     f"| {row['files_per_s']:.0f} | {row['wall_s']:.2f} s |")
+    if results.get("large"):
+        lines += ["", "| large object | MB/s | CPU-s per GiB |", "| --- | ---: | ---: |"]
+        for row in results["large"]:
+            lines.append(f"| {row['reader']} | {row['mb_per_s']:.0f} "
+                         f"| {row['cpu_s_per_gib']:.2f} |")
+    lines += ["", "| readers | cold files/s | cold MB/s | cold CPU/file | cold CPU-s/GiB "
+              "| warm files/s | warm MB/s | warm CPU/file |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in results["scale"]:
+        c, w = row["cold"], row["warm_ram"]
+        lines.append(f"| {row['readers']} | {c['files_per_s']:.0f} | {c['mb_per_s']:.0f} "
+                     f"| {c['cpu_ms_per_file']:.2f} ms | {c['cpu_s_per_gib']:.2f} "
+                     f"| {w['files_per_s']:.0f} | {w['mb_per_s']:.0f} "
+                     f"| {w['cpu_ms_per_file']:.2f} ms |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=2000)
+    parser.add_argument("--file-kb", type=int, default=100)
+    parser.add_argument("--large-mib", type=int, default=1024)
+    parser.add_argument("--readers", type=int, default=16)
+    parser.add_argument("--scale", default="16,64",
+                        type=lambda text: [int(x) for x in text.split(",") if x])
+    parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    results = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (args.out / f"dataplane-{stamp}.json").write_text(json.dumps(results, indent=1))
+    text = report(results)
+    (args.out / f"dataplane-{stamp}.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
