@@ -38,8 +38,12 @@ sysdeps:
 # directory, such as a CPU-only wheel) satisfies the unpinned `torch` requirement but
 # does not match the newest torchvision. So: install, check the import, and if it
 # fails upgrade both together from the index, then check again.
-$(STAMP): pyproject.toml | sysdeps
+# pyfuse3 with bucketfs's patch first (packaging/pyfuse3/build.py says why), so that the
+# install below finds it satisfied; it is rebuilt when the patch's version changes.
+$(STAMP): pyproject.toml packaging/pyfuse3/build.py | sysdeps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c 'import pyfuse3, sys; sys.exit(getattr(pyfuse3, "BUCKETFS_PATCH", 0) != 1)' \
+		2>/dev/null || $(PY) packaging/pyfuse3/build.py --install
 	$(PY) -m pip install -e '.[test,torch]'
 	$(PY) -c 'import torchvision' 2>/dev/null || \
 		$(PY) -m pip install --upgrade torch torchvision

@@ -10,6 +10,8 @@ layout and one LARGE_MIB object:
   - bucketfs, CPU charged to the daemon (/proc/PID/stat, all threads): a cold pass of
     READERS threads doing open/read/close in a shuffled order, with --cache-dir and RAM
     only; warm passes from the RAM tier (page cache dropped) and from the page cache;
+    the same cold and warm passes again with --no-kernel-opens (the daemon answers
+    every open, as under a stock pyfuse3);
   - a cold sequential read of the large object (dd bs=4M) against 8 parallel 8 MiB
     obstore range GETs: MB/s and CPU-s per GiB;
   - the scale runs: files/s and MB/s one daemon serves with each reader count of
@@ -275,6 +277,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with Mount(server, work_dir / "ramonly", ram) as mnt:
             mnt.list_tree(rel)
             passes["cold, RAM only"] = mnt.read_all(rel, args.readers)
+        # The same three passes with the daemon answering every open (what a stock
+        # pyfuse3 gives): the kernel_opens comparison, in the same run.
+        with Mount(server, work_dir / "daemonopens", [*ram, "--no-kernel-opens", "--cache-dir",
+                                                        str(work_dir / "cache-do")]) as mnt:
+            mnt.list_tree(rel)
+            passes["cold, --cache-dir, daemon opens"] = mnt.read_all(rel, args.readers)
+            drop_page_cache()
+            passes["warm, RAM tier, daemon opens"] = mnt.read_all(rel, args.readers)
+            passes["warm, page cache, daemon opens"] = mnt.read_all(rel, args.readers)
         results["passes"] = passes
         if args.large_mib:
             large_rows = []

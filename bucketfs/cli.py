@@ -45,8 +45,11 @@ def _add_option_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("mount options (also settable in --config; flags win)")
     for option in OPTIONS:
         if option.parse.__name__ == "_bool":
-            group.add_argument(option.flag, dest=option.name, action="store_const",
-                               const=True, default=None, help=option.help)
+            # --name and --no-name: a flag can turn off an option that is on by
+            # default or in the config file.
+            group.add_argument(option.flag, dest=option.name,
+                               action=argparse.BooleanOptionalAction, default=None,
+                               help=option.help)
         else:
             group.add_argument(option.flag, dest=option.name, default=None, metavar="VALUE",
                                help=option.help)

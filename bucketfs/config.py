@@ -88,6 +88,21 @@ def _positive_int(value: object) -> int:
     return number
 
 
+def _bounded_int(low: int, high: int) -> Callable[[object], int]:
+    def parse(value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError(f"expected an integer from {low} to {high}")
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"expected an integer from {low} to {high}") from None
+        if not low <= number <= high:
+            raise ValueError(f"expected an integer from {low} to {high}")
+        return number
+
+    return parse
+
+
 def _optional_id(value: object) -> int | None:
     if value is None or value == "":
         return None
@@ -191,6 +206,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("mount", "kernel_ttl", parse_duration, 3600.0,
            "seconds the kernel may cache names, attributes and missing names "
            "(capped by metadata_ttl)", "3600"),
+    Option("mount", "kernel_opens", _bool, True,
+           "let the kernel open and close files itself (FUSE no_open), so that reads "
+           "its page cache holds ask the daemon nothing; needs the pyfuse3 that `make "
+           "venv` builds (packaging/pyfuse3/build.py), and is off under a stock one",
+           "true"),
+    Option("mount", "kernel_background", _bounded_int(1, 65535), 64,
+           "read-ahead requests the kernel keeps in flight (FUSE max_background; its "
+           "own 12 starves many readers); needs the same pyfuse3", "64"),
     Option("mount", "log_level", _choice("debug", "info", "warning", "error"), "info",
            "log verbosity", '"info"'),
     Option("mount", "log_file", _optional_str, None,

@@ -5,6 +5,7 @@ the tree answers EROFS.
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import logging
@@ -26,6 +27,12 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+#: Files whose read state is kept when the kernel opens files itself (`Operations`).
+_READ_STATES = 4096
+#: pyfuse3 built with bucketfs's patch (packaging/pyfuse3/build.py): `read` is told the
+#: inode when no OPEN preceded it, and `max_background` reaches the kernel.
+PATCHED_PYFUSE3 = getattr(pyfuse3, "BUCKETFS_PATCH", 0) >= 1
 
 
 def fuse_errors(handler: F) -> F:
@@ -72,9 +79,24 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(
-        self, namespace: Namespace, reader: Reader, *, uid: int, gid: int, kernel_ttl: float
+        self, namespace: Namespace, reader: Reader, *, uid: int, gid: int, kernel_ttl: float,
+        kernel_opens: bool = False, max_background: int = 0,
     ) -> None:
+        """`kernel_opens`: answer OPEN with ENOSYS, so that the kernel opens and releases
+        files itself for the life of the mount (FUSE no_open) and keeps their page
+        cache. Needs `PATCHED_PYFUSE3`: each READ then names the inode in place of a
+        handle, and a read at offset 0 stands for an open (the hints' view of a reader
+        starting a file). `max_background`: read-ahead requests the kernel keeps in
+        flight (0: its default)."""
         super().__init__()
+        if kernel_opens and not PATCHED_PYFUSE3:
+            raise ValueError("kernel_opens needs pyfuse3 with bucketfs's patch")
+        self.kernel_opens = kernel_opens
+        if max_background:
+            self.max_background = max_background  # read by the patched pyfuse3's init
+        #: With kernel_opens: per inode, the read state of its latest reader (an LRU).
+        self.read_states: collections.OrderedDict[int, tuple[DirEntry, OpenFile]] = \
+            collections.OrderedDict()
         self.namespace = namespace
         self.reader = reader
         self.uid = uid
@@ -157,6 +179,10 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if self.kernel_opens:
+            # Only the first OPEN of the mount comes here. The mount is read-only
+            # (`ro`), so the kernel refuses opens for writing before asking.
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
         node = self.namespace.get(inode)
@@ -171,7 +197,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        node, handle = self.handles[fh]
+        node, handle = self._read_state(fh, off) if self.kernel_opens else self.handles[fh]
         try:
             return await self.reader.read(handle, off, size)
         except VersionChanged:
@@ -183,6 +209,23 @@ class Operations(pyfuse3.Operations):
             except BackendError as exc:
                 log.warning("cannot look %r up again: %s", node.key, exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
+
+    def _read_state(self, inode: int, offset: int) -> tuple[DirEntry, OpenFile]:
+        """The read state of a file the kernel opened itself: made at the first read of
+        the file, and again at a read of its start (a reader that starts the file)."""
+        state = self.read_states.get(inode)
+        if state is not None and offset != 0:
+            self.read_states.move_to_end(inode)
+            return state
+        node = state[0] if state is not None else self.namespace.get(inode)
+        if node.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        state = self.read_states[inode] = (
+            node, self.reader.open(node.key, node.version, node.size))
+        self.read_states.move_to_end(inode)
+        if len(self.read_states) > _READ_STATES:
+            self.read_states.popitem(last=False)
+        return state
 
     async def release(self, fh: int) -> None:
         # Nothing is held per handle: blocks in flight finish into the cache.
@@ -209,6 +252,7 @@ class Operations(pyfuse3.Operations):
         # Entries live in the index; only inodes of replaced versions are held here.
         for inode, _ in inode_list:
             self.namespace.forget(inode)
+            self.read_states.pop(inode, None)
 
     setattr = _read_only("setattr")
     mknod = _read_only("mknod")

@@ -38,6 +38,11 @@ Metrics (labels in braces):
   bucketfs_origin_bytes_total                 bytes fetched from the origin
   bucketfs_origin_request_seconds{kind}       histogram: time of one request in its worker
                                               thread (waiting for a connection slot excluded)
+  bucketfs_fuse_opens_total                   files opened as the daemon sees them (with
+                                              kernel_opens: reads at a file's start)
+  bucketfs_fuse_reads_total                   read requests the kernel sent (its page cache
+                                              answers the rest without asking)
+  bucketfs_fuse_read_bytes_total              bytes those read requests returned
   bucketfs_readahead_prefetches_total         blocks read ahead
   bucketfs_readahead_inflight_bytes           bytes read-ahead has in flight now
   bucketfs_readahead_budget_bytes             most bytes read-ahead may have in flight
@@ -122,6 +127,7 @@ class MountCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._cache()
         yield from self._origin()
+        yield from self._reads()
         yield from self._readahead()
         if self.prefetch is not None:
             yield from self._hints(self.prefetch)
@@ -216,6 +222,19 @@ class MountCollector(Collector):
             histogram = self.store.latency[kind]
             latency.add_metric([kind], _cumulative(histogram), histogram.sum)
         yield latency
+
+    def _reads(self) -> Iterator[Metric]:
+        reader = self.reader
+        yield CounterMetricFamily(
+            PREFIX + "fuse_opens_total",
+            "Files opened as the daemon sees them (with kernel_opens: reads at their start).",
+            value=reader.opens)
+        yield CounterMetricFamily(
+            PREFIX + "fuse_reads_total", "Read requests the kernel sent to the daemon.",
+            value=reader.reads)
+        yield CounterMetricFamily(
+            PREFIX + "fuse_read_bytes_total", "Bytes returned to the kernel's read requests.",
+            value=reader.bytes_read)
 
     def _readahead(self) -> Iterator[Metric]:
         budget = self.reader.budget

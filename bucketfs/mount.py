@@ -47,7 +47,7 @@ from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tier import CacheEvents
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config
-from bucketfs.fs import Operations
+from bucketfs.fs import PATCHED_PYFUSE3, Operations
 from bucketfs.hints.location import socket_path
 from bucketfs.hints_server import HintsServerError, serve_hints
 from bucketfs.metrics import build_registry, start_metrics_server
@@ -242,6 +242,10 @@ async def _serve_namespace(
     except BackendError as exc:
         raise MountError(str(exc)) from None
     hints_gid = hints_group(config)
+    kernel_opens = config.kernel_opens and PATCHED_PYFUSE3
+    if config.kernel_opens and not PATCHED_PYFUSE3:
+        log.info("this pyfuse3 lacks bucketfs's patch (packaging/pyfuse3/build.py): the "
+                 "daemon answers every open, and kernel_opens is off")
     async with trio.open_nursery() as nursery:
         ram_policy = eviction_policy(config)
         if hints is not None:  # evict what the plans read farthest ahead
@@ -262,7 +266,8 @@ async def _serve_namespace(
         )
         if prefetch is not None:
             await nursery.start(prefetch.run)
-        status = MountStatus(facts_of(info.url, info.mountpoint, config, store), cache,
+        status = MountStatus(facts_of(info.url, info.mountpoint, config, store,
+                                     kernel_opens=kernel_opens), cache,
                              store, reader, prefetch,
                              WarmJobs(namespace, cache, nursery, connections=connections))
         start_guarded(nursery, "sampling the origin's throughput", status.run)
@@ -278,6 +283,8 @@ async def _serve_namespace(
             uid=os.getuid() if config.uid is None else config.uid,
             gid=os.getgid() if config.gid is None else config.gid,
             kernel_ttl=_kernel_ttl(config),
+            kernel_opens=kernel_opens,
+            max_background=config.kernel_background if PATCHED_PYFUSE3 else 0,
         )
         try:
             pyfuse3.init(operations, info.mountpoint, fuse_options(info.url, config))

@@ -80,13 +80,21 @@ class Reader:
         self.nursery = nursery
         self.prefetches = 0
         self.on_open = on_open
+        #: What the kernel asked of the daemon: files opened (with kernel_opens, reads
+        #: at a file's start), read requests, and the bytes they returned. Reads the
+        #: kernel's page cache served never come here.
+        self.opens = 0
+        self.reads = 0
+        self.bytes_read = 0
 
     def open(self, key: str, version: str, size: int) -> OpenFile:
+        self.opens += 1
         if self.on_open is not None:
             self.on_open(key)
         return OpenFile(ObjectRef(key, version, size), self.settings)
 
     async def read(self, handle: OpenFile, offset: int, length: int) -> bytes:
+        self.reads += 1
         obj = handle.obj
         end = min(offset + length, obj.size)
         if offset >= end:
@@ -107,6 +115,7 @@ class Reader:
         data = b"".join(chunks)
         if len(data) != end - offset:  # blocks are exact; anything else is a bug
             raise RuntimeError(f"assembled {len(data)} bytes for a read of {end - offset}")
+        self.bytes_read += len(data)
         return data
 
     async def _block(self, handle: OpenFile, index: int) -> bytes:

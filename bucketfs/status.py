@@ -71,13 +71,17 @@ class MountFacts:
     mountpoint: str
     block_size: int
     metrics: str | None = None
+    #: The kernel opens files itself (the `kernel_opens` option, on a patched pyfuse3).
+    kernel_opens: bool = False
 
 
-def facts_of(url: BucketUrl, mountpoint: str, config: Config, store: ObjectStore) -> MountFacts:
+def facts_of(url: BucketUrl, mountpoint: str, config: Config, store: ObjectStore, *,
+             kernel_opens: bool = False) -> MountFacts:
     metrics = f"{config.metrics_address}:{config.metrics_port}" if config.metrics_port \
         else None
     return MountFacts(str(url), url.scheme, getattr(store.backend, "endpoint", ""),
-                      mountpoint, config.block_size, metrics)
+                      mountpoint, config.block_size, metrics,
+                      kernel_opens=kernel_opens)
 
 
 class MountStatus:
@@ -115,6 +119,8 @@ class MountStatus:
             "schema": SCHEMA,
             "mount": self._mount(),
             "cache": self._cache(),
+            "reads": {"opens": self.reader.opens, "requests": self.reader.reads,
+                      "bytes": self.reader.bytes_read},
             "prefetch": self._prefetch(),
             "origin": self._origin(),
             "errors": self._errors(),
@@ -134,6 +140,7 @@ class MountStatus:
             "uptime_s": round(time.monotonic() - self._began, 1),
             "block_size": facts.block_size,
             "hints": self.prefetch is not None,
+            "kernel_opens": facts.kernel_opens,
             "metrics": facts.metrics,
         }
 

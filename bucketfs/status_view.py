@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
 def render(report: dict[str, Any]) -> str:
     """The report as a few aligned lines per section."""
     sections = [("mount", _mount(report["mount"])), ("cache", _cache(report["cache"])),
+                ("reads", _reads(report.get("reads"))),
                 ("prefetch", _prefetch(report["prefetch"])),
                 ("origin", _origin(report["origin"])), ("errors", _errors(report["errors"]))]
     if report.get("warm"):
@@ -64,7 +65,8 @@ def _mount(mount: dict[str, Any]) -> Iterator[str]:
     yield (f"{where}pid {mount['pid']} · bucketfs {mount['version']} · "
            f"up {duration(mount['uptime_s'])}")
     extras = [f"hints {'on' if mount['hints'] else 'off'}",
-              f"block {size(mount['block_size'])}"]
+              f"block {size(mount['block_size'])}",
+              f"opens by the {'kernel' if mount.get('kernel_opens') else 'daemon'}"]
     if mount.get("metrics"):
         extras.append(f"metrics http://{mount['metrics']}/metrics")
     yield " · ".join(extras)
@@ -121,6 +123,13 @@ def _prefetch(prefetch: dict[str, Any]) -> Iterator[str]:
     ahead = prefetch["readahead"]
     yield (f"read-ahead {count(ahead['prefetches'])} blocks · "
            f"{size(ahead['inflight_bytes'])} in flight of {size(ahead['budget_bytes'])}")
+
+
+def _reads(reads: dict[str, Any] | None) -> Iterator[str]:
+    if reads is None:  # a daemon from before this section
+        return
+    yield (f"{count(reads['opens'])} opens · {count(reads['requests'])} read requests · "
+           f"{size(reads['bytes'])} served (page cache hits not seen)")
 
 
 def _origin(origin: dict[str, Any]) -> Iterator[str]:

@@ -12,7 +12,11 @@ The policy:
   advance the job. The position is the first item not yet read; items read ahead of it
   are remembered until it catches up. An item left unread more than `lookahead` / 2
   items behind the newest read counts as skipped (the kernel's page cache served it, or
-  the dataset skipped it), so the position never sticks. `lookahead` must exceed twice
+  the dataset skipped it), so the position never sticks. A longer run that the daemon
+  never saw (the kernel opening files itself and serving them from its page cache) is
+  crossed when `RESYNC_READS` reads in a row land beyond the look-ahead, close together
+  (within `lookahead` / 2): the position jumps to them. Reads spread wide over the order
+  are another job's, and move nothing. `lookahead` must exceed twice
   the spread of the readers' reads (workers x prefetch_factor x batch size); the
   default, 2048 items, covers 8 workers x 2 batches of 64 twice over.
 - Several jobs reading the same files: the daemon should say which job read
@@ -47,6 +51,7 @@ from one thread (trio's), between awaits.
 from __future__ import annotations
 
 import bisect
+import collections
 import heapq
 from array import array
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -62,6 +67,8 @@ Key = Hashable
 Order = Iterable[tuple[Key, int]]
 
 DEFAULT_LOOKAHEAD = 2048
+#: Reads in a row beyond the look-ahead, close together, that move the position to them.
+RESYNC_READS = 4
 
 
 class Plan:
@@ -70,8 +77,8 @@ class Plan:
     lives, which is what lets `future.HintedPolicy` keep heaps keyed on them. The
     scheduler owns and updates it; `future.NextUse` only reads it."""
 
-    __slots__ = ("_index", "epoch_items", "frontier", "job", "keys", "pending", "position",
-                 "read_ahead", "sizes", "unread_bytes")
+    __slots__ = ("_index", "epoch_items", "far_reads", "frontier", "job", "keys", "pending",
+                 "position", "read_ahead", "sizes", "unread_bytes")
 
     def __init__(self, job: Hashable, order: Order) -> None:
         self.job = job
@@ -92,6 +99,8 @@ class Plan:
         self.pending: list[int] = []
         #: Items in the latest order given (one epoch, as the job announces them).
         self.epoch_items = 0
+        #: Positions of the latest reads in a row found beyond the look-ahead.
+        self.far_reads: collections.deque[int] = collections.deque(maxlen=RESYNC_READS)
         self.extend(order)
 
     def extend(self, order: Order) -> None:
@@ -274,7 +283,10 @@ class PrefetchScheduler:
         for plan in plans:
             position = plan.next_position(key, plan.position + self.lookahead)
             if position is not None:
+                plan.far_reads.clear()
                 self._mark_read(plan, position)
+            elif (far := plan.next_position(key)) is not None:
+                self._read_far_ahead(plan, far)
 
     # -- fetching ---------------------------------------------------------------------
     def next_fetches(self, limit: int,
@@ -340,6 +352,20 @@ class PrefetchScheduler:
         return bool(self._claims.get(key))
 
     # -- internals --------------------------------------------------------------------
+    def _read_far_ahead(self, plan: Plan, position: int) -> None:
+        """A read of `position`, beyond the look-ahead: after `RESYNC_READS` such reads
+        close together, the reader is there, and what lies before them was skipped."""
+        far = plan.far_reads
+        far.append(position)
+        if len(far) < RESYNC_READS or max(far) - min(far) >= self.lookahead // 2:
+            return
+        positions = sorted(set(far))
+        far.clear()
+        self._advance(plan, positions[0] - self.lookahead // 2)
+        for read in positions:
+            if read >= plan.position and read not in plan.read_ahead:
+                self._mark_read(plan, read)
+
     def _mark_read(self, plan: Plan, position: int) -> None:
         if position < plan.frontier:
             plan.unread_bytes -= plan.sizes[position]

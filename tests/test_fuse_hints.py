@@ -17,6 +17,7 @@ from bucketfs.demo import make_image_dataset
 from bucketfs.hints import HintSampler
 from tests.mounting import bucketfs, mounted
 from tests.servers import free_ports
+from tests.test_fuse_cache import drop_kernel_cache
 
 pytestmark = pytest.mark.fuse
 
@@ -38,6 +39,7 @@ def epochs(dataset, sampler, count: int) -> list[tuple[torch.Tensor, torch.Tenso
     return [batch for _ in range(count) for batch in loader]
 
 
+@pytest.mark.root  # drops the page cache
 def test_hint_sampler_prefetches_and_changes_no_sample(s3_server, tmp_path):
     local = tmp_path / "local"
     files = make_image_dataset(local, classes=4, per_class=40, seed=5, mean_kb=40)
@@ -57,6 +59,11 @@ def test_hint_sampler_prefetches_and_changes_no_sample(s3_server, tmp_path):
         plain = epochs(dataset, RandomSampler(
             dataset, generator=torch.Generator().manual_seed(11)), 2)
         before = metrics(port)
+        # The kernel opens files itself (kernel_opens) and would serve these epochs from
+        # its page cache without asking the daemon; drop it, as a dataset larger than
+        # the node's memory would, so that the first hinted epoch reads through the
+        # daemon.
+        drop_kernel_cache()
         hinted = epochs(dataset, HintSampler(RandomSampler(
             dataset, generator=torch.Generator().manual_seed(11)), dataset), 2)
         after = metrics(port)

@@ -94,7 +94,8 @@ def copied_sources() -> list[str]:
 
 def test_dockerfile_copies_exist_and_pass_its_dockerignore():
     sources = copied_sources()
-    assert set(sources) == {"pyproject.toml", "README.md", "bucketfs", "prefetch", "hints"}
+    assert set(sources) == {"pyproject.toml", "README.md", "bucketfs", "prefetch", "hints",
+                            "packaging/pyfuse3"}
     allowed = {line[1:].rstrip("/") for line in
                (PACKAGING / "Dockerfile.dockerignore").read_text().splitlines()
                if line.startswith("!")}

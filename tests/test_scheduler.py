@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Sequence
 import pytest
 
 from bucketfs.prefetch.concurrency import AdaptiveConcurrency
-from bucketfs.prefetch.scheduler import Plan, PrefetchScheduler
+from bucketfs.prefetch.scheduler import RESYNC_READS, Plan, PrefetchScheduler
 
 
 def order(prefix: str, count: int, size: int = 100) -> list[tuple[Hashable, int]]:
@@ -249,6 +249,38 @@ def test_reads_too_far_ahead_or_unplanned_do_nothing() -> None:
     scheduler.observe_read("f50")
     scheduler.observe_read("other")
     plan = scheduler.plans["job"]
+    assert plan.position == 0 and not plan.read_ahead
+
+
+def test_a_long_run_the_daemon_never_saw_is_crossed() -> None:
+    """With kernel_opens the kernel serves page-cached files without telling the daemon:
+    a run far longer than the look-ahead must not stick the plan."""
+    scheduler = PrefetchScheduler(window_bytes=1000, budget_bytes=100_000, lookahead=16)
+    scheduler.set_order("job", order("f", 1000))
+    plan = scheduler.plans["job"]
+    fetch_all(scheduler)
+    for i in range(500, 500 + RESYNC_READS - 1):  # f0..f499 came from the page cache
+        scheduler.observe_read(f"f{i + (i % 2)}")  # a little out of order
+    assert plan.position == 0
+    scheduler.observe_read(f"f{500 + RESYNC_READS}")
+    # As for near reads: what lies over lookahead / 2 behind the newest read is given up.
+    assert plan.position == 500 + RESYNC_READS - 16 // 2
+    assert {500, 502, 500 + RESYNC_READS} <= plan.read_ahead
+    # The window is ahead of the reader again (ten unread items fill its 1000 bytes).
+    unread = [496, 497, 498, 499, 501, 503, *range(505, 509)]
+    assert set(fetch_all(scheduler)) == set(keys("f", unread))
+    for i in range(500, 520):
+        scheduler.observe_read(f"f{i}")
+    assert plan.position == 520 and not plan.far_reads
+
+
+def test_far_reads_spread_over_the_order_move_nothing() -> None:
+    """Another job's reads land anywhere in this job's order: no jump."""
+    scheduler = PrefetchScheduler(window_bytes=1000, budget_bytes=100_000, lookahead=16)
+    scheduler.set_order("job", order("f", 1000))
+    plan = scheduler.plans["job"]
+    for i in (300, 620, 910, 450, 130, 770, 240, 990):
+        scheduler.observe_read(f"f{i}")
     assert plan.position == 0 and not plan.read_ahead
 
 

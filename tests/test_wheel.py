@@ -109,6 +109,8 @@ def test_installed_commands_mount_and_unmount(installed, tmp_path):
             pid = int((state_dir(str(mnt)) / "pid").read_text())
             daemon = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             assert daemon[0].decode().startswith(str(installed)), daemon  # the wheel runs
+            # Its pyfuse3 is PyPI's, so the daemon answers opens itself, and says so.
+            assert "lacks bucketfs's patch" in read_log(log)
             run(bucketfs_cmd, "check", mnt)
             run(bucketfs_cmd, "umount", mnt)
             assert mount_entry(str(mnt)) is None
@@ -116,13 +118,15 @@ def test_installed_commands_mount_and_unmount(installed, tmp_path):
             force_unmount(mnt)
 
 
-def dockerfile_pip_commands() -> tuple[str, str]:
-    """The build stage's `pip wheel` and the final stage's `pip install`, as written."""
+def dockerfile_python_commands() -> tuple[str, str, str]:
+    """The build stage's patched pyfuse3 build and `pip wheel`, and the final stage's
+    `pip install`, as written."""
     (_, build), (_, final) = stages((ROOT / "packaging" / "Dockerfile").read_text())
-    (wheel,) = [args for op, args in build if op == "RUN" and "pip wheel" in args]
+    (step,) = [args for op, args in build if op == "RUN" and "pip wheel" in args]
+    patched, wheel = step.split(" && ")
     (install,) = [args for op, args in final if op == "RUN" and "pip install" in args]
     install = re.sub(r"^--mount=\S+\s+", "", install)  # the bind mount of /wheels
-    return wheel, install
+    return patched, wheel, install
 
 
 def test_dockerfile_python_steps(tmp_path):
@@ -140,14 +144,20 @@ def test_dockerfile_python_steps(tmp_path):
             shutil.copy2(ROOT / source, context / source)
     wheels = tmp_path / "wheels"
     venv = new_venv(tmp_path / "venv")
-    wheel_step, install_step = (
+    patch_step, wheel_step, install_step = (
         command.replace("/wheels", str(wheels)).replace("--no-cache-dir", "")
-        for command in dockerfile_pip_commands())
-    # The build stage's pip is any Python 3.11's; the final stage's is the image's own,
-    # here the new venv's.
-    run("sh", "-c", f"{shlex.quote(sys.executable)} -m {wheel_step}", cwd=context)
-    assert list(wheels.glob("pyfuse3-*.whl")), "pyfuse3 was not built"
+        for command in dockerfile_python_commands())
+    # The build stage's Python is any 3.11; the final stage's is the image's own, here
+    # the new venv's.
+    python = shlex.quote(sys.executable)
+    run("sh", "-c", f"{python} {patch_step.removeprefix('python ')}", cwd=context)
+    run("sh", "-c", f"{python} -m {wheel_step}", cwd=context)
+    assert len(list(wheels.glob("pyfuse3-*.whl"))) == 1, "pyfuse3 built twice, or never"
     run("sh", "-c", f"{venv}/bin/python -m {install_step}", cwd=tmp_path)
     run(venv / "bin" / "bucketfs", "--version")
     run(venv / "bin" / "python", "-c", "import pyfuse3, rocksdict, boto3, "
         "google.cloud.storage, trio, prometheus_client")
+    # The image's pyfuse3 is the patched one, so its mounts skip OPEN (kernel_opens).
+    patched = run(venv / "bin" / "python", "-c",
+                  "import pyfuse3; print(pyfuse3.BUCKETFS_PATCH)").stdout.strip()
+    assert patched == "1"
