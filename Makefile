@@ -42,8 +42,7 @@ sysdeps:
 # install below finds it satisfied; it is rebuilt when the patch's version changes.
 $(STAMP): pyproject.toml packaging/pyfuse3/build.py | sysdeps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c 'import pyfuse3, sys; sys.exit(getattr(pyfuse3, "BUCKETFS_PATCH", 0) != 1)' \
-		2>/dev/null || $(PY) packaging/pyfuse3/build.py --install
+	$(PY) packaging/pyfuse3/build.py --check || $(PY) packaging/pyfuse3/build.py --install
 	$(PY) -m pip install -e '.[test,torch]'
 	$(PY) -c 'import torchvision' 2>/dev/null || \
 		$(PY) -m pip install --upgrade torch torchvision
