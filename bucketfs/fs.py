@@ -28,8 +28,11 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
-#: Files whose read state is kept when the kernel opens files itself (`Operations`).
+#: Files whose read state is kept when the kernel opens files itself (`Operations`);
+#: fewer when the RAM tier cannot hold a block, since each state then keeps its last
+#: block (`OpenFile.last`) outside every budget, as an open handle does.
 _READ_STATES = 4096
+_READ_STATES_WITH_BLOCKS = 64
 #: pyfuse3 built with bucketfs's patch (packaging/pyfuse3/build.py): `read` is told the
 #: inode when no OPEN preceded it, and `max_background` reaches the kernel.
 PATCHED_PYFUSE3 = getattr(pyfuse3, "BUCKETFS_PATCH", 0) >= 1
@@ -97,6 +100,8 @@ class Operations(pyfuse3.Operations):
         #: With kernel_opens: per inode, the read state of its latest reader (an LRU).
         self.read_states: collections.OrderedDict[int, tuple[DirEntry, OpenFile]] = \
             collections.OrderedDict()
+        self.read_states_limit = _READ_STATES if reader.cache.keeps_in_ram(
+            reader.block_size) else _READ_STATES_WITH_BLOCKS
         self.namespace = namespace
         self.reader = reader
         self.uid = uid
@@ -223,7 +228,7 @@ class Operations(pyfuse3.Operations):
         state = self.read_states[inode] = (
             node, self.reader.open(node.key, node.version, node.size))
         self.read_states.move_to_end(inode)
-        if len(self.read_states) > _READ_STATES:
+        if len(self.read_states) > self.read_states_limit:
             self.read_states.popitem(last=False)
         return state
 

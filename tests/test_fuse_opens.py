@@ -105,3 +105,10 @@ def test_kernel_background_reaches_the_kernel(bucket, tmp_path):
         settings = connections / str(os.minor(os.stat(mnt).st_dev))
         assert int((settings / "max_background").read_text()) == 40
         assert int((settings / "congestion_threshold").read_text()) == 30
+
+
+def test_kernel_opens_with_a_ram_tier_smaller_than_a_block(bucket, tmp_path):
+    """Each read state then keeps its last block (the kernel reads a 4 MiB block in
+    smaller requests): still exact bytes, every way."""
+    with mounted(f"file://{bucket}", tmp_path / "mnt", "--ram-cache", "1MiB") as mnt:
+        check_every_way_of_reading(mnt)
