@@ -119,8 +119,8 @@ def test_helper_errors_are_one_line(tmp_path):
 @pytest.fixture
 def installed_helper() -> Iterator[Path]:
     """/sbin/mount.fuse.bucketfs, where mount(8) looks for it, running this checkout."""
-    if shutil.which("mount") is None:
-        pytest.skip("no mount(8)")
+    # util-linux is installed by .ci/run and the Makefile's sysdeps: its absence is a failure.
+    assert shutil.which("mount") is not None, "mount(8) is missing: apt-get install util-linux"
     if HELPER.exists() and MARKER not in HELPER.read_text(errors="replace"):
         pytest.skip(f"{HELPER} is installed on this machine; not replacing it")
     HELPER.write_text(f"#!/bin/sh\n{MARKER}\nexec {sys.executable} -c 'import sys; "
