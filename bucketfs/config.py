@@ -18,6 +18,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from bucketfs.backends.urls import parse_bucket_url
+
 
 class ConfigError(ValueError):
     """A malformed configuration; the message is one line naming the key."""
@@ -160,6 +162,19 @@ def _nonempty_str(value: object) -> str:
     return value
 
 
+def _shared_url(value: object) -> str | None:
+    """The shared tier's URL: s3:// only (a GCS bucket through its S3-compatible XML
+    API works as s3:// with that endpoint and HMAC keys)."""
+    text = _optional_str(value)
+    if text is None:
+        return None
+    url = parse_bucket_url(text)
+    if url.scheme != "s3":
+        raise ValueError("the shared tier must be an s3:// bucket (S3 Express One Zone, "
+                         "MinIO, SeaweedFS, or GCS through its S3-compatible endpoint)")
+    return str(url)
+
+
 def _choice(*choices: str) -> Callable[[object], str]:
     def parse(value: object) -> str:
         if value not in choices:
@@ -178,6 +193,8 @@ class Option:
     help: str
     #: How the default reads in mount.conf.example (None: commented out, no default value).
     example: str | None
+    #: The command-line flag, when it is not the name with dashes.
+    flag_name: str | None = None
 
     @property
     def key(self) -> str:
@@ -185,7 +202,7 @@ class Option:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return self.flag_name or "--" + self.name.replace("_", "-")
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -264,6 +281,25 @@ OPTIONS: tuple[Option, ...] = (
            "the kernel's own read-ahead for this mount (its bdi read_ahead_kb); larger "
            "means fewer, larger FUSE reads of big files. Set when mounting as root",
            '"4MiB"'),
+    Option("cache", "shared", _shared_url, None,
+           "a bucket (s3://BUCKET[/PREFIX]) that nodes training on the same data share as "
+           "a third tier between cache_dir and the origin: blocks are looked up there "
+           "before the origin, and what the origin sends is written there in the "
+           "background (docs/SHARED_CACHE.md)", None, "--shared-cache"),
+    Option("cache", "shared_endpoint_url", _optional_str, None,
+           "S3 endpoint of the shared tier (default: the origin's s3.endpoint_url, else "
+           "AWS_ENDPOINT_URL, else AWS); credentials, region and addressing style are "
+           "the origin's", None, "--shared-cache-endpoint-url"),
+    Option("cache", "shared_max_object", parse_size, 16 * 1024**2,
+           "only objects up to this size go to the shared tier (small files are where "
+           "the origin's latency hurts)", '"16MiB"', "--shared-cache-max-object"),
+    Option("cache", "shared_write_queue", parse_size, 64 * 1024**2,
+           "bytes waiting to be written to the shared tier; past it, blocks are not "
+           "shared (a reader never waits for the shared tier)", '"64MiB"',
+           "--shared-cache-write-queue"),
+    Option("cache", "shared_timeout", _seconds, 2.0,
+           "seconds a request to the shared tier may take before it counts as a miss "
+           "(and the tier is given a rest)", "2", "--shared-cache-timeout"),
     Option("hints", "prefetch_window", parse_size, 256 * 1024**2,
            "bytes a job's hinted files are fetched ahead of its reader (refilled when "
            "half is read; at most half of ram_cache); 0 turns hints off (the socket still "

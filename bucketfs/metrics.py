@@ -11,9 +11,9 @@ read a moment apart may be a request apart, which a scrape tolerates.
 
 Metrics (labels in braces):
 
-  bucketfs_cache_hits_total{tier}             lookups served by a tier (ram, ssd)
+  bucketfs_cache_hits_total{tier}             lookups served by a tier (ram, ssd, shared)
   bucketfs_cache_misses_total                 lookups fetched from the origin
-  bucketfs_cache_served_bytes_total{tier}     bytes served from a tier (ram, ssd)
+  bucketfs_cache_served_bytes_total{tier}     bytes served from a tier (ram, ssd, shared)
   bucketfs_cache_single_flight_waits_total    lookups that waited for another's fetch
   bucketfs_cache_evictions_total{tier}        entries evicted from a tier
   bucketfs_cache_used_bytes{tier}             bytes held by a tier
@@ -33,6 +33,17 @@ Metrics (labels in braces):
                                               anything they would evict (hinted, MIN's rule)
   bucketfs_packing_chunks_written_total       chunks of small files written
   bucketfs_packing_chunks_skipped_total       chunks not packed: the queue to the disk was full
+  bucketfs_shared_requests_total{kind}        requests sent to the shared tier (get, put,
+                                              list, delete); with cache.shared only
+  bucketfs_shared_lookups_total{result}       its lookups: hit, miss, invalid (an object
+                                              under the name that is not the block)
+  bucketfs_shared_errors_total                its requests that failed (then it rests)
+  bucketfs_shared_skipped_total               lookups and writes skipped while it rests
+  bucketfs_shared_writes_total                blocks written to it
+  bucketfs_shared_written_bytes_total         bytes written to it
+  bucketfs_shared_dropped_total               blocks not shared: its write queue was full
+  bucketfs_shared_write_queue_bytes           bytes waiting to be written to it
+  bucketfs_shared_up                          1 unless it is resting after a failure
   bucketfs_origin_requests_total{kind}        requests sent (get, head, list), retries included
   bucketfs_origin_retries_total               requests retried after a transient error
   bucketfs_origin_bytes_total                 bytes fetched from the origin
@@ -85,6 +96,7 @@ from prometheus_client.utils import floatToGoString
 
 from bucketfs import tasks
 from bucketfs.backends.store import LatencyHistogram, ObjectStore
+from bucketfs.cache.shared import SharedTier
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import Reader
@@ -127,6 +139,8 @@ class MountCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._cache()
         yield from self._origin()
+        if self.cache.shared is not None:
+            yield from self._shared(self.cache.shared)
         yield from self._reads()
         yield from self._readahead()
         if self.prefetch is not None:
@@ -154,6 +168,9 @@ class MountCollector(Collector):
             evictions.add_metric([tier.name], tier.evictions)
             used.add_metric([tier.name], tier.used)
             capacity.add_metric([tier.name], tier.capacity)
+        if self.cache.shared is not None:
+            hits.add_metric(["shared"], stats.shared_hits)
+            served.add_metric(["shared"], stats.shared_bytes_served)
         yield from (hits, served, evictions, used, capacity)
         yield CounterMetricFamily(
             PREFIX + "cache_misses_total", "Block lookups fetched from the origin.",
@@ -200,6 +217,36 @@ class MountCollector(Collector):
                 PREFIX + "cache_ssd_declined_total",
                 "Blocks not stored on SSD: used later than anything they would evict.",
                 value=0 if hinted is None else hinted.declined)
+
+    def _shared(self, shared: SharedTier) -> Iterator[Metric]:
+        stats = shared.stats
+        requests = _counter("shared_requests_total",
+                            "Requests sent to the shared tier.", ("kind",))
+        for kind, count in stats.requests.items():
+            requests.add_metric([kind], count)
+        lookups = _counter("shared_lookups_total",
+                           "Block lookups in the shared tier, by result.", ("result",))
+        for result, count in (("hit", stats.hits), ("miss", stats.misses),
+                              ("invalid", stats.invalid)):
+            lookups.add_metric([result], count)
+        yield from (requests, lookups)
+        for name, doc, value in (
+            ("shared_errors_total", "Shared-tier requests that failed.", stats.errors),
+            ("shared_skipped_total", "Shared-tier lookups and writes skipped while it "
+             "rests after a failure.", stats.skipped),
+            ("shared_writes_total", "Blocks written to the shared tier.", stats.writes),
+            ("shared_written_bytes_total", "Bytes written to the shared tier.",
+             stats.bytes_written),
+            ("shared_dropped_total", "Blocks not shared: the write queue was full.",
+             stats.dropped),
+        ):
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        yield GaugeMetricFamily(
+            PREFIX + "shared_write_queue_bytes",
+            "Bytes waiting to be written to the shared tier.", value=shared.queued)
+        yield GaugeMetricFamily(
+            PREFIX + "shared_up", "1 unless the shared tier rests after a failure.",
+            value=int(shared.up))
 
     def _origin(self) -> Iterator[Metric]:
         counts = self.store.counts

@@ -44,6 +44,9 @@ from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.disk import CacheDirError, CacheDirUnwritable, DiskTier
 from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.cache.ram import RamTier
+from bucketfs.cache.shared import SharedTier
+from bucketfs.cache.shared_names import Dataset
+from bucketfs.cache.shared_store import SharedError, SharedStore
 from bucketfs.cache.tier import CacheEvents
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config
@@ -76,6 +79,8 @@ log = logging.getLogger(__name__)
 # At mount time an unreachable endpoint or a broken credential should be reported in
 # seconds, not after the full read-time retry budget.
 MOUNT_CHECK_RETRY = RetryPolicy(attempts=3, base_delay=0.2, max_delay=1.0)
+#: At unmount, how long the blocks still queued for the shared tier may hold it up.
+SHARED_DRAIN_S = 10.0
 
 
 class MountError(Exception):
@@ -149,6 +154,15 @@ def backend_settings(config: Config) -> BackendSettings:
     )
 
 
+def open_shared_store(config: Config) -> SharedStore:
+    """The shared tier's bucket, reached with the origin's credentials, region and
+    addressing style, at its own endpoint if one is given."""
+    settings = dataclasses.replace(
+        backend_settings(config),
+        endpoint_url=config.shared_endpoint_url or config.endpoint_url)
+    return SharedStore(config.shared, settings, timeout=config.shared_timeout)
+
+
 def fuse_options(url: BucketUrl, config: Config) -> set[str]:
     options = set(pyfuse3.default_options)
     options |= {"ro", f"fsname={url}", f"subtype={FSTYPE.split('.', 1)[1]}"}
@@ -164,6 +178,8 @@ class MountInfo:
     config: Config
     #: How cache entries and listings name the origin (`origin_identity`).
     source: str = ""
+    #: The shared tier's bucket (cache.shared), opened by run_mount.
+    shared: SharedStore | None = None
 
 
 def origin_identity(url: BucketUrl, backend: Backend) -> str:
@@ -250,9 +266,14 @@ async def _serve_namespace(
         ram_policy = eviction_policy(config)
         if hints is not None:  # evict what the plans read farthest ahead
             ram_policy = HintedPolicy(ram_policy, hints.next_use, key_of=_file_of_block)
+        shared = None if info.shared is None else SharedTier(
+            info.shared, Dataset(info.source, str(info.url), info.url.prefix,
+                                 config.block_size), nursery,
+            max_object=config.shared_max_object, write_queue=config.shared_write_queue,
+            connections=config.max_connections)
         cache = BlockCache(
             store, RamTier(config.ram_cache, ram_policy, CacheEvents()),
-            disk, block_size=config.block_size, nursery=nursery,
+            disk, block_size=config.block_size, nursery=nursery, shared=shared,
         )
         # Fewer than the origin's connections, so a reader's own miss always finds one.
         connections = min(config.prefetch_connections, max(1, config.max_connections - 2))
@@ -271,6 +292,9 @@ async def _serve_namespace(
                              store, reader, prefetch,
                              WarmJobs(namespace, cache, nursery, connections=connections))
         start_guarded(nursery, "sampling the origin's throughput", status.run)
+        if shared is not None:
+            start_guarded(nursery, "describing the dataset in the shared tier",
+                          shared.announce)
         if config.metrics_port:
             try:
                 start_metrics_server(config.metrics_port, config.metrics_address,
@@ -310,6 +334,8 @@ async def _serve_namespace(
             clear_pid(info.mountpoint)
         log.info("unmounted %s", info.mountpoint)
         status.warm.cancel_all("unmounted")  # a warm job must not hold the flush up
+        if shared is not None:  # what this node read last is for the next node too
+            await shared.drain(SHARED_DRAIN_S)
         # A clean exit keeps what only RAM held, so the next mount finds it on SSD.
         try:
             await cache.flush()
@@ -474,6 +500,12 @@ def run_mount(info: MountInfo, ready: Callable[[list[str]], None]) -> None:
         backend = open_backend(info.url, backend_settings(info.config))
     except BackendError as exc:
         raise MountError(str(exc)) from None
+    if info.config.shared is not None:
+        try:
+            info.shared = open_shared_store(info.config)
+        except SharedError as exc:
+            backend.close()
+            raise MountError(str(exc)) from None
     try:
         trio.run(_serve, info, backend, ready)
     except* MountError as group:

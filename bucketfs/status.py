@@ -122,6 +122,7 @@ class MountStatus:
             "reads": {"opens": self.reader.opens, "requests": self.reader.reads,
                       "bytes": self.reader.bytes_read},
             "prefetch": self._prefetch(),
+            "shared": self._shared(),
             "origin": self._origin(),
             "errors": self._errors(),
             "warm": self.warm.snapshot(),
@@ -163,7 +164,9 @@ class MountStatus:
                           # Blocks that came into RAM with an earlier member's chunk read.
                           "read_ahead": stats.disk_read_ahead}
             tiers.append(entry)
-        lookups = stats.ram_hits + stats.disk_hits + stats.misses
+        hits = stats.ram_hits + stats.disk_hits + stats.shared_hits
+        lookups = hits + stats.misses
+        shared = self.cache.shared is not None
         return {
             "tiers": tiers,
             "misses": stats.misses,
@@ -173,8 +176,25 @@ class MountStatus:
             "hit_ratio": {
                 "ram": _ratio(stats.ram_hits, lookups),
                 "ssd": _ratio(stats.disk_hits, lookups) if disk is not None else None,
-                "total": _ratio(stats.ram_hits + stats.disk_hits, lookups),
+                "shared": _ratio(stats.shared_hits, lookups) if shared else None,
+                "total": _ratio(hits, lookups),
             },
+        }
+
+    def _shared(self) -> dict[str, Any] | None:
+        """The shared tier's counters: what it served, what it was sent, what failed."""
+        shared = self.cache.shared
+        if shared is None:
+            return None
+        stats = shared.stats
+        return {
+            "url": shared.url, "endpoint": shared.store.endpoint, "up": shared.up,
+            "max_object": shared.max_object,
+            "lookups": stats.lookups, "hits": stats.hits, "misses": stats.misses,
+            "invalid": stats.invalid, "errors": stats.errors, "skipped": stats.skipped,
+            "bytes_read": stats.bytes_read, "writes": stats.writes,
+            "bytes_written": stats.bytes_written, "dropped": stats.dropped,
+            "write_queue_bytes": shared.queued, "requests": dict(stats.requests),
         }
 
     def _prefetch(self) -> dict[str, Any]:

@@ -49,6 +49,7 @@ def render(report: dict[str, Any]) -> str:
     sections = [("mount", _mount(report["mount"])), ("cache", _cache(report["cache"])),
                 ("reads", _reads(report.get("reads"))),
                 ("prefetch", _prefetch(report["prefetch"])),
+                ("shared", _shared(report.get("shared"))),
                 ("origin", _origin(report["origin"])), ("errors", _errors(report["errors"]))]
     if report.get("warm"):
         sections.append(("warm", (_warm(job) for job in report["warm"])))
@@ -92,6 +93,8 @@ def _cache(cache: dict[str, Any]) -> Iterator[str]:
     parts = [f"ram {percent(ratio['ram'])}"]
     if ratio.get("ssd") is not None:
         parts.append(f"ssd {percent(ratio['ssd'])}")
+    if ratio.get("shared") is not None:
+        parts.append(f"shared {percent(ratio['shared'])}")
     yield (f"hit ratio {percent(ratio['total'])} of {count(lookups)} lookups "
            f"({', '.join(parts)}; {count(cache['misses'])} from the bucket)")
 
@@ -130,6 +133,24 @@ def _reads(reads: dict[str, Any] | None) -> Iterator[str]:
         return
     yield (f"{count(reads['opens'])} opens · {count(reads['requests'])} read requests · "
            f"{size(reads['bytes'])} served (page cache hits not seen)")
+
+
+def _shared(shared: dict[str, Any] | None) -> Iterator[str]:
+    if shared is None:  # no shared tier (or a daemon from before it)
+        return
+    state = "up" if shared["up"] else "RESTING after a failure (the origin serves)"
+    yield (f"{shared['url']} via {shared['endpoint']} · {state} · objects up to "
+           f"{size(shared['max_object'])}")
+    yield (f"lookups {count(shared['lookups'])} · hits {count(shared['hits'])} "
+           f"({size(shared['bytes_read'])}) · misses {count(shared['misses'])} · invalid "
+           f"{count(shared['invalid'])} · errors {count(shared['errors'])} · skipped "
+           f"{count(shared['skipped'])}")
+    queued = f" · {size(shared['write_queue_bytes'])} queued" \
+        if shared["write_queue_bytes"] else ""
+    requests = shared["requests"]
+    yield (f"written {count(shared['writes'])} blocks ({size(shared['bytes_written'])})"
+           f" · dropped {count(shared['dropped'])}{queued} · requests GET "
+           f"{count(requests['get'])}, PUT {count(requests['put'])}")
 
 
 def _origin(origin: dict[str, Any]) -> Iterator[str]:

@@ -209,9 +209,12 @@ def test_metrics_are_served_over_http():
 
 def test_the_documented_list_is_exactly_what_a_mount_exports(tmp_path):
     """bucketfs/metrics.py's docstring is the list users (and the Grafana dashboard) read."""
+    from bucketfs.cache.shared import SharedTier
+    from bucketfs.cache.shared_names import Dataset
     from bucketfs.namespace import Namespace
     from bucketfs.prefetch.scheduler import PrefetchScheduler
     from bucketfs.prefetcher import HintedPrefetch
+    from tests.memshared import MemorySharedStore
 
     documented = set(re.findall(r"^\s+(bucketfs_[a-z_]+)", metrics_module.__doc__, re.M))
     backend = MemoryBackend(objects())
@@ -222,8 +225,11 @@ def test_the_documented_list_is_exactly_what_a_mount_exports(tmp_path):
                         source=backend.url, block_size=BLOCK)
         async with trio.open_nursery() as nursery:
             store = ObjectStore(backend, max_workers=4, retry=RetryPolicy(1))
+            shared = SharedTier(MemorySharedStore(), Dataset("mem://bucket", "mem://bucket/",
+                                                              "", BLOCK),
+                                nursery, max_object=BLOCK, write_queue=BLOCK)
             cache = BlockCache(store, RamTier(BLOCK, make_policy("lru")), disk,
-                               block_size=BLOCK, nursery=nursery)
+                               block_size=BLOCK, nursery=nursery, shared=shared)
             reader = Reader(cache, ByteBudget(4 * BLOCK), ReadSettings(), nursery)
             namespace = Namespace(store, "")
             prefetch = HintedPrefetch(

@@ -179,3 +179,25 @@ def test_a_list_file_names_paths_one_a_line(tmp_path):
     assert warm_client._read_list(str(listing)) == ["a b/c.jpg", "d/"]
     with pytest.raises(HintError, match="cannot read"):
         warm_client._read_list(str(tmp_path / "nope"))
+
+
+def test_the_shared_tier_has_its_section_and_its_share_of_the_hits():
+    report = {**REPORT, "shared": {
+        "url": "s3://cache/bucketfs/", "endpoint": "http://10.0.0.5:9000", "up": False,
+        "max_object": 16 << 20, "lookups": 1_000, "hits": 900, "misses": 95, "invalid": 2,
+        "errors": 3, "skipped": 40, "bytes_read": 90 << 20, "writes": 95,
+        "bytes_written": 9 << 20, "dropped": 1, "write_queue_bytes": 1 << 20,
+        "requests": {"get": 1_000, "put": 96, "list": 0, "delete": 0}}}
+    report["cache"] = {**REPORT["cache"], "hit_ratio": {**REPORT["cache"]["hit_ratio"],
+                                                        "shared": 0.0005}}
+    lines = render(report).splitlines()
+    labels = [line[:10].strip() for line in lines if line[:10].strip()]
+    assert labels == ["mount", "cache", "prefetch", "shared", "origin", "errors", "warm"]
+    text = "\n".join(lines)
+    assert "(ram 70.8%, ssd 28.2%, shared 0.1%; 17,000 from the bucket)" in text
+    assert "s3://cache/bucketfs/ via http://10.0.0.5:9000 · RESTING after a failure" in text
+    assert "lookups 1,000 · hits 900 (90.0 MiB) · misses 95 · invalid 2 · errors 3 · " \
+           "skipped 40" in text
+    assert "written 95 blocks (9.0 MiB) · dropped 1 · 1.0 MiB queued · requests GET " \
+           "1,000, PUT 96" in text
+    assert "\nshared" not in render(REPORT)  # no shared tier, no section

@@ -105,6 +105,24 @@ def _fast_store(bucket: str, client: Any, session: boto3.session.Session,
     return S3Store(bucket, **options)
 
 
+def open_object_store(bucket: str, settings: BackendSettings) -> tuple[S3Store, str]:
+    """An obstore S3Store for `bucket`, with its public endpoint: reached and signed as
+    the origin would be with these settings (the shared cache tier reads and writes
+    through it)."""
+    try:
+        session = boto3.session.Session(profile_name=settings.profile)
+        client = session.client("s3", endpoint_url=settings.endpoint_url,
+                                region_name=settings.region)
+    except BotoCoreError as exc:
+        kind, reason = _classify(exc, BackendError)
+        raise kind(f"s3://{bucket}: {one_line(reason)}") from None
+    try:
+        return (_fast_store(bucket, client, session, settings),
+                public_endpoint(client.meta.endpoint_url))
+    finally:
+        client.close()
+
+
 def _etag(value: str) -> str:
     return value.strip('"')
 

@@ -1,5 +1,5 @@
 """Offline tools over an SSD cache directory: `bucketfs cache stats DIR` and
-`bucketfs cache clear DIR`.
+`bucketfs cache clear DIR` (the shared tier's are in shared_admin.py).
 
 `stats` opens the index read-only, which RocksDB allows while a mount holds the
 directory, and with its info log sent to a temporary directory, so looking never
@@ -29,6 +29,7 @@ from typing import Any
 
 from rocksdict import AccessType, Options, Rdict
 
+from bucketfs.cache import shared_admin
 from bucketfs.cache.scans import prefixed
 from bucketfs.cache.schema import (
     COUNTERS_KEY,
@@ -255,10 +256,12 @@ def clear_cache(directory: str | os.PathLike[str]) -> int:
 
 
 def add_cache_commands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add `cache stats DIR` and `cache clear DIR` to the `bucketfs` command."""
+    """Add `cache stats DIR`, `cache clear DIR` and the shared tier's `cache shared-list`
+    and `cache shared-clear` to the `bucketfs` command."""
     cache = subparsers.add_parser(
-        "cache", help="inspect or clear an SSD cache directory",
-        description="Inspect or clear the SSD cache directory of a mount (cache.cache_dir).",
+        "cache", help="inspect or clear an SSD cache directory or a shared tier",
+        description="Inspect or clear the SSD cache directory of a mount (cache.cache_dir), "
+                    "or the datasets in a shared tier (cache.shared).",
     )
     commands = cache.add_subparsers(dest="cache_command", required=True, metavar="COMMAND")
     stats = commands.add_parser(
@@ -272,10 +275,13 @@ def add_cache_commands(subparsers: argparse._SubParsersAction) -> None:  # type:
                     "a bucketfs cache or a mount is using it.",
     )
     clear.add_argument("directory", metavar="DIR")
+    shared_admin.add_commands(commands)
 
 
 def run_cache_command(args: argparse.Namespace) -> int:
     """Run `bucketfs cache ...`: 0, or 1 after a one-line error on stderr."""
+    if args.cache_command.startswith("shared-"):
+        return shared_admin.run_command(args)
     try:
         if args.cache_command == "stats":
             print(format_stats(cache_stats(args.directory)))

@@ -1,7 +1,9 @@
 """The block cache in front of the origin: RAM, then SSD (promoting what it finds), then
-one fetch from the bucket shared by every reader that misses the same block. This is
-the only code that knows there are tiers: readers, hinted prefetch and chunk packing
-ask it, never a tier.
+the shared tier of the cluster if the mount has one (shared.py), then one fetch from
+the bucket shared by every reader that misses the same block. This is the only code
+that knows there are tiers: readers, hinted prefetch and chunk packing ask it, never a
+tier. What the origin sends is offered to the shared tier, which writes it in the
+background.
 
 A block fetched from the origin goes into RAM and is written through to SSD in the
 background, in batches that share one flush of the device, so what RAM evicts is already
@@ -35,6 +37,7 @@ from bucketfs.backends.store import ObjectStore
 from bucketfs.cache.blocks import BlockId, ObjectRef, block_span
 from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
+from bucketfs.cache.shared import SharedTier
 from bucketfs.cache.tier import CacheEvents, Hit, Tier
 from bucketfs.tasks import failed
 
@@ -59,6 +62,8 @@ class CacheStats:
     disk_writes: int = 0
     #: Blocks that came into RAM with the read of an earlier member of their SSD chunk.
     disk_read_ahead: int = 0
+    shared_hits: int = 0
+    shared_bytes_served: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -73,14 +78,17 @@ class BlockCache:
     def __init__(
         self, store: ObjectStore, ram: RamTier, disk: DiskTier | None, *, block_size: int,
         nursery: trio.Nursery, disk_threads: int = 4, write_queue: int = 64 * 1024**2,
+        shared: SharedTier | None = None,
     ) -> None:
-        """`ram.events` is the cache's `events`: subscribe there to follow evictions."""
+        """`ram.events` is the cache's `events`: subscribe there to follow evictions.
+        `shared`: the tier between the SSD tier and the origin, if the mount has one."""
         if disk is not None and disk.block_size != block_size:
             raise ValueError(f"the SSD tier cuts {disk.block_size}-byte blocks, the cache "
                              f"{block_size}-byte ones")
         self.store = store
         self.ram = ram
         self.disk = disk
+        self.shared = shared
         self.events: CacheEvents = ram.events
         self.block_size = block_size
         self.nursery = nursery
@@ -182,11 +190,19 @@ class BlockCache:
                         self.stats.disk_read_ahead += 1
                 return hit.data
         start, end = block_span(obj.size, self.block_size, block.index)
+        shared = self.shared if self.shared is not None and self.shared.shares(obj) else None
         began = time.monotonic()
-        data = await self.store.get_range(obj.key, obj.version, start, end - start)
+        data = None if shared is None else await shared.get(block, end - start)
+        if data is not None:
+            self.stats.shared_hits += 1
+            self.stats.shared_bytes_served += len(data)
+        else:
+            data = await self.store.get_range(obj.key, obj.version, start, end - start)
+            self.stats.misses += 1
+            self.stats.origin_bytes += len(data)
+            if shared is not None:
+                shared.offer(block, data)
         cost = time.monotonic() - began
-        self.stats.misses += 1
-        self.stats.origin_bytes += len(data)
         self.ram.put(block, data, cost)
         if self.disk is not None and self.disk.writable:
             await self._queue_write(block, data, cost)
