@@ -109,7 +109,13 @@ def test_counters_add_up_over_mounts_and_show_as_hit_rates(tmp_path):
     assert "hit rate ram  60.0%" in table
     assert "hit rate ssd  30.0%" in table
     assert "20 over 2 mounts" in table
-    assert open_tier(directory).used == sum(SIZES), "counters must not look like entries"
+    assert "shared" not in table
+    disk = open_tier(directory)
+    assert disk.used == sum(SIZES), "counters must not look like entries"
+    save_counters(disk.index, {"shared_hits": 20})
+    disk.close()
+    table = format_stats(cache_stats(directory))
+    assert "hit rate shared  50.0%" in table and "40 over 3 mounts" in table
 
 
 def test_unreadable_counters_are_no_counters(tmp_path):

@@ -190,12 +190,15 @@ def format_stats(d: dict[str, Any]) -> str:
     ]
     counters = d.get("counters") or {}
     ram, ssd = counters.get("ram_hits", 0), counters.get("disk_hits", 0)
-    lookups = ram + ssd + counters.get("misses", 0)
+    shared = counters.get("shared_hits", 0)
+    lookups = ram + ssd + shared + counters.get("misses", 0)
     if lookups:
         mounts = counters.get("mounts", 0)
         rows.append(("lookups", f"{lookups:,} over {mounts} mount{'s' * (mounts != 1)}"))
         rows.append(("hit rate ram", f"{ram / lookups:.1%}"))
         rows.append(("hit rate ssd", f"{ssd / lookups:.1%}"))
+        if shared:
+            rows.append(("hit rate shared", f"{shared / lookups:.1%}"))
         rows.append(("origin", f"{counters.get('misses', 0) / lookups:.1%} of lookups, "
                                f"{_human(counters.get('origin_bytes', 0))}"))
     else:
