@@ -389,6 +389,9 @@ class HintedPrefetch:
     def observed_open(self, key: str) -> None:
         if self._resolving:
             self._early_opens.append(key)
+        elif not (self.scheduler.plans or self.scheduler.inflight_bytes
+                  or self.scheduler.held_bytes):
+            return  # no job's hints to follow, pack or fetch, no prefetch to count
         self.scheduler.observe_read(key)
         if self.packing is not None:
             for job, plan in self.scheduler.plans.items():

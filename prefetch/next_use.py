@@ -232,6 +232,9 @@ class HintedPolicy(EvictionPolicy):
         self._stale: set[Hashable] = set()
         # Entries admitted or referenced and not filed since (see _file_later).
         self._unfiled: dict[Hashable, None] = {}
+        # With no plan at all, entries whose copy in `_unhinted` is out of date: the
+        # full history alone is the fallback policy then (see _file_later).
+        self._plain: dict[Hashable, None] = {}
         self._records = 0
         self._seq = 0
         self._version = next_use.version
@@ -257,12 +260,15 @@ class HintedPolicy(EvictionPolicy):
         self._unhinted.remove(key)
         self._stale.discard(key)
         self._unfiled.pop(key, None)
+        self._plain.pop(key, None)
         filing = self._filed.pop(key, None)  # a heap record is now outdated
         if filing is not None and filing.position is None:
             self._groups[filing.plan, filing.cost_class].remove(key)
 
     def victim(self) -> Hashable | None:
         self._sync()
+        if not self.next_use.source.plans:
+            return self._all.victim()  # no plan: the fallback's own choice
         self._file_unfiled()
         self._file_passed()
         self._unhinted.restore_clock(self._all.export_clock())
@@ -376,12 +382,13 @@ class HintedPolicy(EvictionPolicy):
         """File `key` when a victim is next wanted, not now: a RAM tier that holds what
         the readers read (a warm epoch) never evicts, and then never pays for filing;
         one that evicts files each entry once per victim instead of once per hit. With
-        no plan at all it is filed now, so that this is the fallback policy, decision
-        for decision."""
+        no plan at all nothing is filed: the full history is then the fallback policy,
+        decision for decision, and victims come from it; the entries' copies in
+        `_unhinted` are brought up to date when a plan arrives (`_sync`)."""
         if self.next_use.source.plans:
             self._unfiled[key] = None
         else:
-            self._file(key, referenced=True)
+            self._plain[key] = None
 
     def _file_unfiled(self) -> None:
         for key in self._unfiled:
@@ -496,6 +503,8 @@ class HintedPolicy(EvictionPolicy):
         for key in [k for k, filing in self._filed.items() if filing.plan not in live]:
             del self._filed[key]
         for key in self._entries:
-            self._file(key, referenced=key in self._unfiled, push=False)
+            self._file(key, referenced=key in self._unfiled or key in self._plain,
+                       push=False)
         self._unfiled.clear()
+        self._plain.clear()
         self._compact()

@@ -397,3 +397,23 @@ def test_no_scan_per_victim() -> None:
         policy.admit(victim, SIZE, COST)
     per_victim = (future.calls - filing) / 5000
     assert per_victim < 4
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "lrfu", "cost-lrfu"])
+def test_with_no_plan_at_all_it_is_the_fallback_and_a_plan_later_finds_every_entry(
+        name: str) -> None:
+    ops = random_ops(4, 3000, 60)
+    expected = victims(make_policy(name, cooldown=8), ops)
+    plans = scheduler()
+    policy = hinted(plans, make_policy(name, cooldown=8))
+    assert victims(policy, ops) == expected
+    # A plan arriving now files the entries the plain spell referenced: those it reads
+    # go last, the others keep their fallback order.
+    present = [key for key in range(60) if key in policy]
+    plans.set_order("job", sized([present[0]]))
+    assert policy.hinted(present[0]) and not policy.hinted(present[1])
+    evicted = []
+    while (victim := policy.victim()) is not None:
+        evicted.append(victim)
+        policy.remove(victim)
+    assert evicted[-1] == present[0] and sorted(evicted) == present
