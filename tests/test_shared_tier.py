@@ -248,3 +248,17 @@ def test_datasets_are_listed_and_cleared_one_at_a_time():
     assert clear_dataset(store, "0123")[0].blocks == 1
     assert clear_dataset(store, "s3://nothing/here") == []
     assert [d.url for d in list_datasets(store)] == ["s3://origin/val/"]
+
+
+def test_an_s3_express_directory_bucket_gets_session_auth(monkeypatch):
+    from bucketfs.backends.s3 import open_object_store
+    from bucketfs.backends.settings import BackendSettings
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    settings = BackendSettings(region="us-east-1")
+    express, _ = open_object_store("cache--use1-az4--x-s3", settings)
+    plain, endpoint = open_object_store("cache", settings)
+    assert express.config.get("s3_express") == "true"
+    assert "s3_express" not in plain.config and endpoint.endswith(".amazonaws.com")

@@ -98,6 +98,11 @@ def _fast_store(bucket: str, client: Any, session: boto3.session.Session,
         parts = urlsplit(endpoint)
         options["endpoint"] = endpoint if not virtual else \
             urlunsplit(parts._replace(netloc=f"{bucket}.{parts.netloc}"))
+    if bucket.endswith("--x-s3"):
+        # An S3 Express One Zone directory bucket (AWS names them so): its requests are
+        # signed with session credentials, which obstore fetches (CreateSession).
+        # Not tested here: this machine reaches no AWS endpoint.
+        options["s3_express"] = True
     if session.get_credentials() is None:
         options["skip_signature"] = True
     else:
