@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 NAME_MAX = 255
 #: Old inodes remembered for the kernel (see Namespace._retired).
 RETIRED = 65_536
+#: Directory entries kept in memory (every lookup of a file reads its directory's).
+DIRECTORIES = 65_536
 
 
 def scratch_tree_dir() -> str:
@@ -104,6 +106,9 @@ class Namespace:
         #: version. At most RETIRED of them (a re-listing can retire a whole directory
         #: the kernel never looked at); past that an old inode's getattr is ENOENT.
         self._retired: OrderedDict[int, DirEntry] = OrderedDict()
+        #: Directories as `get` last read them (first in, first out): a directory's
+        #: entry changes only by leaving the tree, which `_gone` tells.
+        self._directories: dict[int, DirEntry] = {}
         self.root = DirEntry(inode=ROOT_INODE, parent=ROOT_INODE, name="", is_dir=True,
                          key=root_prefix, mtime_ns=self.mount_time_ns)
 
@@ -125,6 +130,9 @@ class Namespace:
         """Raises KeyError for an inode this tree does not hold."""
         if inode == ROOT_INODE:
             return self.root
+        directory = self._directories.get(inode)
+        if directory is not None:
+            return directory
         where = self.tree.locate(inode)
         entry = self.tree.child(*where) if where is not None else None
         if entry is None or entry.inode != inode:
@@ -132,7 +140,12 @@ class Namespace:
             if retired is None:
                 raise KeyError(inode)
             return retired
-        return self._view(entry)
+        entry = self._view(entry)
+        if entry.is_dir:
+            self._directories[inode] = entry
+            if len(self._directories) > DIRECTORIES:
+                del self._directories[next(iter(self._directories))]
+        return entry
 
     def forget(self, inode: int) -> None:
         """The kernel holds the inode no more."""
@@ -143,6 +156,7 @@ class Namespace:
         `on_gone` (after a re-listing the kernel's TTL, never longer than the
         listing's, lets the kernel find out by itself)."""
         for entry in entries:
+            self._directories.pop(entry.inode, None)
             self._retired[entry.inode] = self._view(entry)
             if len(self._retired) > RETIRED:
                 self._retired.popitem(last=False)
