@@ -99,6 +99,9 @@ class DiskTier(OpensDirectory):
         #: False once writes failed for a reason the disk will not fix by itself.
         self.writable = True
         self.data_dir = self.directory / "data"
+        #: Subdirectories of data_dir known to exist (worker threads add to it; a set's
+        #: add is atomic, and a race only makes one more mkdir).
+        self._data_subdirs: set[str] = set()
         #: What the mount should tell the user about this directory.
         self.warnings: list[str] = []
         try:
@@ -338,7 +341,9 @@ class DiskTier(OpensDirectory):
         files = []
         for entry, data, _, crc in planned:
             path = self.block_path(entry)
-            path.parent.mkdir(exist_ok=True)
+            if path.parent.name not in self._data_subdirs:  # one mkdir each, not per file
+                path.parent.mkdir(exist_ok=True)
+                self._data_subdirs.add(path.parent.name)
             files.append((path, (MAGIC + _HEADER.pack(len(entry), len(data), crc) + entry,
                                  data)))
         outcomes = write_many(files)
