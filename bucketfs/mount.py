@@ -38,7 +38,7 @@ from bucketfs.backends.base import Backend, BackendError, NotFound
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.store import ObjectStore
-from bucketfs.backends.urls import BucketUrl
+from bucketfs.backends.urls import BucketUrl, parse_bucket_url
 from bucketfs.cache.admin import save_counters
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.disk import CacheDirError, CacheDirUnwritable, DiskTier
@@ -161,6 +161,19 @@ def open_shared_store(config: Config) -> SharedStore:
         backend_settings(config),
         endpoint_url=config.shared_endpoint_url or config.endpoint_url)
     return SharedStore(config.shared, settings, timeout=config.shared_timeout)
+
+
+def shared_overlap(url: BucketUrl, config: Config) -> str | None:
+    """Why the shared tier cannot be where it is, or None: inside the mounted prefix
+    (the mount would list its blocks), or holding the mount (it would cache itself)."""
+    shared = parse_bucket_url(config.shared)
+    same_store = config.shared_endpoint_url in (None, config.endpoint_url)
+    if url.scheme != "s3" or shared.bucket != url.bucket or not same_store:
+        return None
+    if shared.prefix.startswith(url.prefix) or url.prefix.startswith(shared.prefix):
+        return (f"the shared tier {shared} overlaps the mount {url}: give it a bucket "
+                "or a prefix of its own")
+    return None
 
 
 def fuse_options(url: BucketUrl, config: Config) -> set[str]:
@@ -501,6 +514,10 @@ def run_mount(info: MountInfo, ready: Callable[[list[str]], None]) -> None:
     except BackendError as exc:
         raise MountError(str(exc)) from None
     if info.config.shared is not None:
+        overlap = shared_overlap(info.url, info.config)
+        if overlap:
+            backend.close()
+            raise MountError(overlap)
         try:
             info.shared = open_shared_store(info.config)
         except SharedError as exc:

@@ -286,3 +286,14 @@ def test_hinted_prefetch_looks_in_the_shared_tier_and_fills_it(s3_server, nodes,
         for name in order:
             assert (mnt / name).read_bytes() == FILES[f"train/{name}"], name
         assert object_gets(proxy) == len(small) - len(shard)  # nothing fetched twice
+
+
+@pytest.mark.parametrize("tier", [f"s3://{ORIGIN}/train/cache", f"s3://{ORIGIN}/"])
+def test_a_shared_tier_overlapping_the_mount_is_refused(s3_server, buckets, tmp_path, tier):
+    (tmp_path / "mnt").mkdir()
+    result = bucketfs("mount", f"s3://{ORIGIN}/train", str(tmp_path / "mnt"),
+                      "--addressing-style", "path", "--shared-cache", tier,
+                      env=s3_server.env())
+    assert result.returncode == 1
+    assert "overlaps the mount" in result.stderr and "prefix of its own" in result.stderr
+

@@ -262,3 +262,23 @@ def test_an_s3_express_directory_bucket_gets_session_auth(monkeypatch):
     plain, endpoint = open_object_store("cache", settings)
     assert express.config.get("s3_express") == "true"
     assert "s3_express" not in plain.config and endpoint.endswith(".amazonaws.com")
+
+
+def test_an_empty_object_never_reaches_the_shared_tier():
+    backend = MemoryBackend({"train/empty": b""})
+    store = MemorySharedStore()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            tier = SharedTier(store, DATASET, nursery, max_object=BLOCK, write_queue=BLOCK)
+            cache = BlockCache(ObjectStore(backend, max_workers=1, retry=RetryPolicy(1)),
+                               RamTier(BLOCK, make_policy("lru")), None, block_size=BLOCK,
+                               nursery=nursery, shared=tier)
+            # What hinted prefetch and warm ask for an empty file: its one (empty) block.
+            empty = ObjectRef("train/empty", backend.version("train/empty"), 0)
+            assert bytes(await cache.get(empty, 0)) == b""
+            await tier.drain(5)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert store.calls == {}

@@ -117,7 +117,7 @@ class SharedTier:
         return not (self._reads.failing or self._writes.failing)
 
     def shares(self, obj: ObjectRef) -> bool:
-        return obj.size <= self.max_object
+        return 0 < obj.size <= self.max_object  # an empty object costs no GET anyway
 
     # --- reads ----------------------------------------------------------------------------
 
