@@ -22,6 +22,7 @@ write to the origin.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -55,6 +56,18 @@ def _clear(value: str) -> str:
     return quote(value, safe="/:@", errors="surrogatepass")
 
 
+# A mount has one dataset: its digest and its origin's metadata value are computed once,
+# not per block.
+@functools.lru_cache(maxsize=16)
+def _folder(source: str, prefix: str, block_size: int) -> str:
+    return _digest(FORMAT, source, prefix, str(block_size))[:32]
+
+
+@functools.lru_cache(maxsize=16)
+def _clear_source(source: str) -> str:
+    return _clear(source)
+
+
 @dataclass(frozen=True, slots=True)
 class Dataset:
     """What a mount's blocks are cut from: one origin, one prefix, one block size."""
@@ -68,7 +81,7 @@ class Dataset:
 
     @property
     def folder(self) -> str:
-        return _digest(FORMAT, self.source, self.prefix, str(self.block_size))[:32]
+        return _folder(self.source, self.prefix, self.block_size)
 
     def descriptor(self) -> bytes:
         return json.dumps({"format": int(FORMAT), "url": self.url, "source": self.source,
@@ -106,7 +119,7 @@ def block_id(dataset: Dataset, block: BlockId) -> str:
 
 def identity(dataset: Dataset, block: BlockId) -> dict[str, str]:
     """The metadata a block of this identity must carry, its body's aside."""
-    fields = {"bucketfs-format": FORMAT, "bucketfs-source": _clear(dataset.source)}
+    fields = {"bucketfs-format": FORMAT, "bucketfs-source": _clear_source(dataset.source)}
     key = _clear(block.key)
     if len(key) + len(fields["bucketfs-source"]) <= _METADATA_BUDGET:
         fields[_KEY] = key
