@@ -9,7 +9,8 @@ layout and one LARGE_MIB object:
     obstore `get`, and s3torchconnector's `S3Client.get_object`, READERS threads;
   - bucketfs, CPU charged to the daemon (/proc/PID/stat, all threads): a cold pass of
     READERS threads doing open/read/close in a shuffled order, with --cache-dir and RAM
-    only; warm passes from the RAM tier (page cache dropped) and from the page cache;
+    only; warm passes from the RAM tier (page cache and names dropped; then again with
+    the tree listed first, as a dataset scan does) and from the page cache;
     the same cold and warm passes again with --no-kernel-opens (the daemon answers
     every open, as under a stock pyfuse3);
   - a cold sequential read of the large object (dd bs=4M) against 8 parallel 8 MiB
@@ -291,6 +292,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             drop_page_cache()
             with Profiler(profile, mnt.pid, "warm-ram"):
                 passes["warm, RAM tier"] = mnt.read_all(rel, args.readers)
+            # The same after listing the tree again, as a dataset's scan (ImageFolder)
+            # does: READDIRPLUS gives the kernel every name, so no file needs a LOOKUP.
+            drop_page_cache()
+            mnt.list_tree(rel)
+            passes["warm, RAM tier, names listed"] = mnt.read_all(rel, args.readers)
             with Profiler(profile, mnt.pid, "warm-pagecache"):
                 passes["warm, page cache"] = mnt.read_all(rel, args.readers)
         with Mount(server, work_dir / "ramonly", ram) as mnt:
