@@ -12,7 +12,8 @@ not limited here; `tc htb` on the veth does that.
 Counting, from outside every contender: request kinds parsed from the client->server
 stream (`httpcount`), bytes each way, connections. A client on the control socket (a
 path, so it works from any network namespace) sends one line and gets one JSON line:
-  stats        -> {"GET": n, "HEAD": n, "LIST": n, "OTHER": n, "bytes_down": n, ...}
+  stats        -> {"GET": n, "HEAD": n, "LIST": n, "OTHER": n, "bytes_down": n, ...,
+                   "methods": {"GET": n, "PUT": n, ...}}  (the one value that is not a number)
   delay MS     -> {"delay_ms": MS}   (change the one-way delay from now on)
 """
 
@@ -39,6 +40,7 @@ class Counters:
             **dict.fromkeys(KINDS, 0), "bytes_down": 0, "bytes_up": 0, "connections": 0,
             "unparsed_connections": 0,
         }
+        self.methods: dict[str, int] = {}
 
 
 class DelayProxy:
@@ -60,7 +62,7 @@ class DelayProxy:
         except OSError:
             client_w.close()
             return
-        stream = RequestStream(counts=self._live_counts())
+        stream = RequestStream(counts=self._live_counts(), methods=self.counters.methods)
         # SYN, SYN-ACK and the request itself: the first bytes reach the server after
         # three one-way delays, not one.
         not_before = accepted + 2 * self.delay_s
@@ -125,7 +127,8 @@ class DelayProxy:
             line = (await reader.readline()).decode().strip()
             command, _, arg = line.partition(" ")
             if command == "stats":
-                reply: dict[str, object] = dict(self.counters.values)
+                reply: dict[str, object] = {**self.counters.values,
+                                            "methods": dict(self.counters.methods)}
             elif command == "delay":
                 self.delay_s = float(arg) / 1000
                 reply = {"delay_ms": self.delay_s * 1000}

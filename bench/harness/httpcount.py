@@ -58,6 +58,9 @@ class RequestStream:
     """Parses one connection's client->server bytes; counts into `counts`."""
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    #: When given, requests are also counted by HTTP method here (PUT and DELETE are
+    #: both OTHER above, and a store that is written to bills them differently).
+    methods: dict[str, int] | None = None
     #: Set when the stream stopped making sense; counting stops for this connection.
     broken: bool = False
     _buffer: bytearray = field(default_factory=bytearray)
@@ -100,6 +103,8 @@ class RequestStream:
         if not version.startswith("HTTP/"):
             raise ValueError(f"not a request line: {lines[0]!r}")
         self.counts[classify(method, target)] += 1
+        if self.methods is not None:
+            self.methods[method.upper()] = self.methods.get(method.upper(), 0) + 1
         headers = {}
         for line in lines[1:]:
             name, _, value = line.partition(":")

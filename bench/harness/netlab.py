@@ -3,6 +3,11 @@
     origin namespace  bfsb-origin   veth bfsb-o  10.201.0.1/30   SeaweedFS + delay proxy
     client namespace  bfsb-client   veth bfsb-c  10.201.0.2/30   mounts and workloads
 
+A run may also shape some TCP ports at their own rate (`PortLink`): a second htb class
+per port on both ends, selected by u32 on the port (the source port on the origin end,
+whose egress carries the bodies; the destination port on the client end). That gives
+two paths over one veth, e.g. a far origin and a near shared cache tier.
+
 Everything is named with the `bfsb-` prefix so that `clean_stale()` can remove what a
 crashed run left (processes in our namespaces, the namespaces, their veths) without
 touching anything else on the machine. Commands run in a namespace through
@@ -17,6 +22,7 @@ import contextlib
 import os
 import signal
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -59,6 +65,35 @@ def htb_commands(namespace: str, device: str, mbit: int) -> list[list[str]]:
     ]
 
 
+@dataclass(frozen=True)
+class PortLink:
+    """The traffic of one server port, shaped at its own rate beside the default class."""
+
+    port: int
+    mbit: int
+
+
+def port_class_commands(namespace: str, device: str, match: str,
+                        port_links: tuple[PortLink, ...]) -> list[list[str]]:
+    """tc commands that give each port its own htb class (1:11, 1:12, ...) under the root
+    that `htb_commands` made; `match` is "sport" (the server's end, whose egress leaves
+    the server port) or "dport" (the client's end). Other traffic stays in 1:10."""
+    if match not in ("sport", "dport"):
+        raise ValueError(f"match must be sport or dport, not {match!r}")
+    commands = []
+    for index, link in enumerate(port_links):
+        classid = f"1:{11 + index}"
+        commands += [
+            ["tc", "-n", namespace, "class", "replace", "dev", device, "parent", "1:",
+             "classid", classid, "htb", "rate", f"{link.mbit}mbit", "ceil",
+             f"{link.mbit}mbit", "quantum", "60000"],
+            ["tc", "-n", namespace, "filter", "add", "dev", device, "parent", "1:",
+             "protocol", "ip", "prio", "1", "u32", "match", "ip", match, str(link.port),
+             "0xffff", "flowid", classid],
+        ]
+    return commands
+
+
 def kill_namespace_processes(namespace: str) -> None:
     """SIGKILL every process in `namespace` (only ever our own namespaces)."""
     result = run("ip", "netns", "pids", namespace, check=False)
@@ -89,8 +124,9 @@ def clean_stale() -> list[str]:
 class NetLab:
     """The two namespaces and the shaped veth between them, for the life of a run."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, port_links: tuple[PortLink, ...] = ()) -> None:
         self.link = link
+        self.port_links = port_links
 
     def start(self) -> Self:
         try:
@@ -104,7 +140,10 @@ class NetLab:
                                                (CLIENT_NS, CLIENT_IF, CLIENT_IP)):
                 run("ip", "-n", namespace, "addr", "add", f"{address}/30", "dev", device)
                 run("ip", "-n", namespace, "link", "set", device, "up")
-                for command in htb_commands(namespace, device, self.link.mbit):
+                match = "sport" if namespace == ORIGIN_NS else "dport"
+                for command in (htb_commands(namespace, device, self.link.mbit)
+                                + port_class_commands(namespace, device, match,
+                                                      self.port_links)):
                     run(*command)
         except BaseException:
             self.stop()

@@ -5,6 +5,10 @@ client namespace is the proxy on the veth address, so every contender's request 
 delayed and counted. Uploads run inside the origin namespace (straight to SeaweedFS,
 unshaped and uncounted) before any contender starts.
 
+More proxies can sit in front of the same SeaweedFS on other ports, each with its own
+delay and counters (`extra_proxies`): a second bucket reached through one of them is a
+second, nearer store (a shared cache tier) on the same server.
+
 Both processes get a higher CPU priority than the contenders (nice -5): on a 2-core
 machine the "remote" server and the "network" would otherwise queue behind the very
 readers they serve, which a cloud bucket does not.
@@ -69,15 +73,26 @@ def control_request(path: Path, line: str, timeout: float = 10.0) -> dict[str, o
 class Origin:
     """SeaweedFS and the proxy, up for the life of a run."""
 
-    def __init__(self, work: Path, one_way_delay_ms: float) -> None:
+    def __init__(self, work: Path, one_way_delay_ms: float,
+                 extra_proxies: dict[int, float] | None = None) -> None:
         self.work = work
         self.delay_ms = one_way_delay_ms
+        #: Port -> one-way delay (ms) of the proxies beside the one on PROXY_PORT.
+        self.extra_proxies = dict(extra_proxies or {})
         self.access_key = "BFSBENCH" + secrets.token_hex(4).upper()
         self.secret_key = secrets.token_urlsafe(30)
         self.control = work / "proxy.sock"
         self.endpoint = f"http://{ORIGIN_IP}:{PROXY_PORT}"
         self._ports: list[int] = []
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._names: list[str] = []
+
+    def proxy_control(self, port: int = PROXY_PORT) -> Path:
+        """The control socket of the proxy on `port`."""
+        return self.control if port == PROXY_PORT else self.work / f"proxy-{port}.sock"
+
+    def endpoint_at(self, port: int) -> str:
+        return f"http://{ORIGIN_IP}:{port}"
 
     @property
     def s3_port(self) -> int:
@@ -101,6 +116,7 @@ class Origin:
                 ["nice", "-n", "-5", *in_namespace(ORIGIN_NS, argv)], env=env,
                 cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True))
+            self._names.append(name)
 
     def start(self) -> Self:
         binary = weed_binary()
@@ -141,18 +157,25 @@ class Origin:
             "--listen", f"{ORIGIN_IP}:{PROXY_PORT}", "--upstream", f"127.0.0.1:{s3}",
             "--delay-ms", str(self.delay_ms), "--control", str(self.control),
         ], dict(os.environ))
+        for port, delay_ms in self.extra_proxies.items():
+            self._spawn(f"proxy-{port}", [
+                sys.executable, "-m", "bench.harness.delayproxy",
+                "--listen", f"{ORIGIN_IP}:{port}", "--upstream", f"127.0.0.1:{s3}",
+                "--delay-ms", str(delay_ms), "--control", str(self.proxy_control(port)),
+            ], dict(os.environ))
         deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            self._check_alive()
-            with contextlib.suppress(OSError, ValueError):
-                control_request(self.control, "stats", timeout=1)
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError("the delay proxy did not start; see proxy.log")
-            time.sleep(0.1)
+        for port in (PROXY_PORT, *self.extra_proxies):
+            while True:
+                self._check_alive()
+                with contextlib.suppress(OSError, ValueError):
+                    control_request(self.proxy_control(port), "stats", timeout=1)
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the delay proxy on {port} did not start; see its log")
+                time.sleep(0.1)
 
     def _check_alive(self) -> None:
-        for proc, name in zip(self._procs, ("weed", "proxy"), strict=False):
+        for proc, name in zip(self._procs, self._names, strict=True):
             if proc.poll() is not None:
                 log = (self.work / f"{name}.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log}")
@@ -169,6 +192,19 @@ class Origin:
         subprocess.run(in_namespace(ORIGIN_NS, argv), env=env, check=True,
                        timeout=30 * 60, cwd=REPO_ROOT)
 
+    def create_bucket(self, name: str) -> None:
+        """One more (empty) bucket, created inside the origin namespace, uncounted."""
+        self._check_alive()
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key,
+               "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_EC2_METADATA_DISABLED": "true"}
+        code = ("import boto3, sys; from botocore.config import Config; "
+                "c = boto3.client('s3', endpoint_url=sys.argv[1], region_name=sys.argv[2], "
+                "config=Config(s3={'addressing_style': 'path'})); "
+                "c.create_bucket(Bucket=sys.argv[3])")
+        argv = [sys.executable, "-c", code, f"http://127.0.0.1:{self.s3_port}", REGION, name]
+        subprocess.run(in_namespace(ORIGIN_NS, argv), env=env, check=True, timeout=60,
+                       cwd=REPO_ROOT)
+
     def check_from_client(self) -> None:
         """One signed listing from the client namespace, through the proxy."""
         code = ("import boto3; from botocore.config import Config; "
@@ -177,8 +213,8 @@ class Origin:
         subprocess.run(in_namespace(CLIENT_NS, [sys.executable, "-c", code]),
                        env={**os.environ, **self.env()}, check=True, timeout=60)
 
-    def stats(self) -> dict[str, int]:
-        reply = control_request(self.control, "stats")
+    def stats(self, port: int = PROXY_PORT) -> dict[str, int]:
+        reply = control_request(self.proxy_control(port), "stats")
         return {k: int(v) for k, v in reply.items() if isinstance(v, int)}
 
     def stop(self) -> None:
@@ -188,6 +224,7 @@ class Origin:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         self._procs.clear()
+        self._names.clear()
         remove_grpc_sockets(self._ports)
         shutil.rmtree(self.work / "origin-data", ignore_errors=True)
 
