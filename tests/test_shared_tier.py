@@ -282,3 +282,31 @@ def test_an_empty_object_never_reaches_the_shared_tier():
 
     trio.run(main)
     assert store.calls == {}
+
+
+def test_a_bug_in_a_lookup_is_a_miss_not_a_failed_read(monkeypatch):
+    from bucketfs import tasks
+
+    objects = {"train/a.jpg": b"a" * 1000}
+    backend = MemoryBackend(objects)
+    store = MemorySharedStore()
+
+    def broken(name):
+        raise RuntimeError("a bug in the shared tier's GET")
+
+    monkeypatch.setattr(store, "get", broken)
+    before = tasks.failures
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            tier = SharedTier(store, DATASET, nursery, max_object=BLOCK, write_queue=BLOCK)
+            cache = BlockCache(ObjectStore(backend, max_workers=1, retry=RetryPolicy(1)),
+                               RamTier(BLOCK, make_policy("lru")), None, block_size=BLOCK,
+                               nursery=nursery, shared=tier)
+            ref = ObjectRef("train/a.jpg", backend.version("train/a.jpg"), 1000)
+            assert bytes(await cache.get(ref, 0)) == objects["train/a.jpg"]
+            assert tier.stats.errors == 1 and cache.stats.misses == 1
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert tasks.failures == before + 1
