@@ -92,6 +92,8 @@ class DiskTier(OpensDirectory):
         self.block_size = block_size
         self.hinted = hinted
         self.lock = threading.Lock()
+        #: Makes stepping aside one check-and-set (it may run with `lock` held or not).
+        self._aside = threading.Lock()
         #: Entries and chunks being written now (their bytes already count in `used`).
         self.writing: dict[bytes, int] = {}
         self.used = 0
@@ -293,11 +295,12 @@ class DiskTier(OpensDirectory):
     def step_aside(self, exc: Exception) -> None:
         """A write failed: stop writing if the disk will not fix it by itself."""
         if not isinstance(exc, OSError) or exc.errno in STEP_ASIDE:
-            if self.writable:
+            with self._aside:  # two writers failing at once: one warning
+                first, self.writable = self.writable, False
+            if first:
                 reason = exc.strerror if isinstance(exc, OSError) else str(exc)
                 log.warning("cache: %s: the SSD tier stops taking writes (%s); reads go on "
                             "from RAM and the origin", self.directory, reason)
-            self.writable = False
         else:
             log.warning("cache: cannot write a block to %s: %s", self.directory, exc)
 
