@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
+from bucketfs.hints.cli import read_paths
 from bucketfs.hints.client import DEFAULT_TIMEOUT, HintError, Target
 from bucketfs.hints.control import cancel_warm, start_warm, status, target_of
 from bucketfs.hints.location import is_under
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         target = target_of(args.mount)
         named = list(args.paths)
         if args.list_file is not None:
-            named += _read_list(args.list_file)
+            named += read_paths(args.list_file)
         files = collect(target, args.mount, named or ["."])
         if not files:
             raise HintError("no files to warm there")
@@ -118,18 +119,6 @@ def _walk(top: str, mountpoint: str) -> Iterator[str]:
 def _entries(directory: str) -> list[os.DirEntry[str]]:
     with os.scandir(directory) as scan:
         return sorted(scan, key=lambda entry: entry.name)
-
-
-def _read_list(name: str) -> list[str]:
-    try:
-        if name == "-":
-            text = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
-        else:
-            with open(name, encoding="utf-8", errors="surrogateescape", newline="\n") as f:
-                text = f.read()
-    except OSError as exc:
-        raise HintError(f"cannot read {name}: {exc.strerror or exc}") from None
-    return [line for line in text.split("\n") if line]
 
 
 @contextlib.contextmanager

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         if args.paths is None:
             raise HintError("FILE_OF_PATHS is required (or --end)")
         job = args.job or default_job()
-        send_order(_read_paths(args.paths), epoch=args.epoch, job=job, rank=args.rank,
+        send_order(read_paths(args.paths), epoch=args.epoch, job=job, rank=args.rank,
                    world_size=args.world_size, mount=args.mount, timeout=args.timeout,
                    strict=True, next_epoch=args.next, next_follows=args.next_follows)
     except HintError as exc:
@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_paths(name: str) -> list[str]:
+def read_paths(name: str) -> list[str]:
+    """The paths in file NAME ("-": standard input), one a line."""
     try:
         if name == "-":
             text = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")

@@ -186,6 +186,14 @@ def test_a_failing_tier_rests_warns_once_and_comes_back(caplog, monkeypatch):
     assert "answers again" in caplog.text
 
 
+def cache_over(backend: MemoryBackend, tier: SharedTier, nursery: trio.Nursery, *,
+               ram: int = BLOCK) -> BlockCache:
+    """A RAM-only block cache over `backend` with `tier` as its shared tier."""
+    return BlockCache(ObjectStore(backend, max_workers=2, retry=RetryPolicy(1)),
+                      RamTier(ram, make_policy("lru")), None, block_size=BLOCK,
+                      nursery=nursery, shared=tier)
+
+
 def test_the_cache_asks_the_shared_tier_before_the_origin_and_fills_it():
     objects = {"train/a.jpg": b"a" * 1000, "train/big.bin": b"b" * (3 * BLOCK)}
     backend = MemoryBackend(objects)
@@ -196,10 +204,7 @@ def test_the_cache_asks_the_shared_tier_before_the_origin_and_fills_it():
             async with trio.open_nursery() as nursery:
                 tier = SharedTier(store, DATASET, nursery, max_object=2 * BLOCK,
                                   write_queue=8 * BLOCK)
-                cache = BlockCache(
-                    ObjectStore(backend, max_workers=2, retry=RetryPolicy(1)),
-                    RamTier(16 * BLOCK, make_policy("lru")), None, block_size=BLOCK,
-                    nursery=nursery, shared=tier)
+                cache = cache_over(backend, tier, nursery, ram=16 * BLOCK)
                 for key, data in objects.items():
                     ref = ObjectRef(key, backend.version(key), len(data))
                     got = [await cache.get(ref, i) for i in range(-(-len(data) // BLOCK))]
@@ -271,9 +276,7 @@ def test_an_empty_object_never_reaches_the_shared_tier():
     async def main():
         async with trio.open_nursery() as nursery:
             tier = SharedTier(store, DATASET, nursery, max_object=BLOCK, write_queue=BLOCK)
-            cache = BlockCache(ObjectStore(backend, max_workers=1, retry=RetryPolicy(1)),
-                               RamTier(BLOCK, make_policy("lru")), None, block_size=BLOCK,
-                               nursery=nursery, shared=tier)
+            cache = cache_over(backend, tier, nursery)
             # What hinted prefetch and warm ask for an empty file: its one (empty) block.
             empty = ObjectRef("train/empty", backend.version("train/empty"), 0)
             assert bytes(await cache.get(empty, 0)) == b""
@@ -300,9 +303,7 @@ def test_a_bug_in_a_lookup_is_a_miss_not_a_failed_read(monkeypatch):
     async def main():
         async with trio.open_nursery() as nursery:
             tier = SharedTier(store, DATASET, nursery, max_object=BLOCK, write_queue=BLOCK)
-            cache = BlockCache(ObjectStore(backend, max_workers=1, retry=RetryPolicy(1)),
-                               RamTier(BLOCK, make_policy("lru")), None, block_size=BLOCK,
-                               nursery=nursery, shared=tier)
+            cache = cache_over(backend, tier, nursery)
             ref = ObjectRef("train/a.jpg", backend.version("train/a.jpg"), 1000)
             assert bytes(await cache.get(ref, 0)) == objects["train/a.jpg"]
             assert tier.stats.errors == 1 and cache.stats.misses == 1

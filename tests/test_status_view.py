@@ -176,9 +176,9 @@ def test_paths_are_walked_in_name_order_each_once(tmp_path):
 def test_a_list_file_names_paths_one_a_line(tmp_path):
     listing = tmp_path / "list.txt"
     listing.write_text("a b/c.jpg\n\nd/\n")
-    assert warm_client._read_list(str(listing)) == ["a b/c.jpg", "d/"]
+    assert warm_client.read_paths(str(listing)) == ["a b/c.jpg", "d/"]
     with pytest.raises(HintError, match="cannot read"):
-        warm_client._read_list(str(tmp_path / "nope"))
+        warm_client.read_paths(str(tmp_path / "nope"))
 
 
 def test_the_shared_tier_has_its_section_and_its_share_of_the_hits():

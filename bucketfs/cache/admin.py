@@ -41,6 +41,7 @@ from bucketfs.cache.schema import (
     decode_packed,
     encode_counters,
 )
+from bucketfs.status_view import size
 
 _TRASH_PREFIX = ".bucketfs-clearing-"
 _ROCKSDICT_CONFIG = "rocksdict-config.json"
@@ -111,15 +112,15 @@ def _open_read_only(directory: Path) -> Iterator[Rdict]:
 
 def _tree_size(path: Path) -> tuple[int, int]:
     """(number of files, their bytes) under `path`; (0, 0) if it does not exist."""
-    files = size = 0
+    files = total = 0
     for root, _, names in os.walk(path):
         for name in names:
             try:
-                size += os.lstat(os.path.join(root, name)).st_size
+                total += os.lstat(os.path.join(root, name)).st_size
             except FileNotFoundError:  # a mount evicted it while we walked
                 continue
             files += 1
-    return files, size
+    return files, total
 
 
 def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -169,24 +170,16 @@ def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
-def _human(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
 def format_stats(d: dict[str, Any]) -> str:
     """`cache_stats`' result as a short table for people."""
     rows = [
         ("directory", d["directory"]),
         ("entries", f"{d['entries']:,}"),
-        ("cached data", _human(d["bytes"])),
-        ("block files", f"{d['block_files']:,} ({_human(d['file_bytes'])})"),
-        ("chunk files", f"{d.get('chunk_files', 0):,} ({_human(d.get('chunk_bytes', 0))}), "
+        ("cached data", size(d["bytes"])),
+        ("block files", f"{d['block_files']:,} ({size(d['file_bytes'])})"),
+        ("chunk files", f"{d.get('chunk_files', 0):,} ({size(d.get('chunk_bytes', 0))}), "
                         f"{d.get('packed_entries', 0):,} entries packed"),
-        ("index", f"{_human(d['index_bytes'])}, {d['listings']:,} directory listings"),
+        ("index", f"{size(d['index_bytes'])}, {d['listings']:,} directory listings"),
     ]
     counters = d.get("counters") or {}
     ram, ssd = counters.get("ram_hits", 0), counters.get("disk_hits", 0)
@@ -200,7 +193,7 @@ def format_stats(d: dict[str, Any]) -> str:
         if shared:
             rows.append(("hit rate shared", f"{shared / lookups:.1%}"))
         rows.append(("origin", f"{counters.get('misses', 0) / lookups:.1%} of lookups, "
-                               f"{_human(counters.get('origin_bytes', 0))}"))
+                               f"{size(counters.get('origin_bytes', 0))}"))
     else:
         rows.append(("hit rate", "no counters saved yet"))
     width = max(len(name) for name, _ in rows)
@@ -290,7 +283,7 @@ def run_cache_command(args: argparse.Namespace) -> int:
             print(format_stats(cache_stats(args.directory)))
         else:
             freed = clear_cache(args.directory)
-            print(f"cleared {args.directory}: freed {_human(freed)}")
+            print(f"cleared {args.directory}: freed {size(freed)}")
     except (CacheAdminError, OSError) as exc:
         if isinstance(exc, CacheAdminError):
             message = str(exc)

@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 import trio
 
 from bucketfs.cache.blocks import BlockId, ObjectRef
-from bucketfs.cache.shared_names import Dataset, SharedNames, describe, identity, mismatch
+from bucketfs.cache.shared_names import (
+    BLOCK_ID,
+    Dataset,
+    SharedNames,
+    describe,
+    identity,
+    mismatch,
+)
 from bucketfs.cache.shared_store import SharedError, SharedStore
 from bucketfs.tasks import failed
 
@@ -95,6 +102,8 @@ class SharedTier:
         self.store = store
         self.dataset = dataset
         self.names = SharedNames(store.prefix)
+        #: Where this dataset's blocks are: a block's name is this and its id.
+        self._blocks = self.names.blocks(dataset)
         self.nursery = nursery
         self.max_object = max_object
         self.queue_limit = write_queue
@@ -130,8 +139,8 @@ class SharedTier:
             return None
         self.stats.lookups += 1
         self.stats.requests["get"] += 1
-        name = self.names.block(self.dataset, block)
         expected = identity(self.dataset, block)
+        name = self._blocks + expected[BLOCK_ID]
 
         def fetch() -> tuple[object | None, str | None]:
             found = self.store.get(name)
@@ -207,12 +216,11 @@ class SharedTier:
         if self._writes.resting():  # it failed while these blocks waited
             self.stats.skipped += len(batch)
             return
-        names = [self.names.block(self.dataset, block) for block, _ in batch]
-
         def put() -> tuple[int, SharedError | None]:
-            for done, ((block, data), name) in enumerate(zip(batch, names, strict=True)):
+            for done, (block, data) in enumerate(batch):
+                metadata = describe(self.dataset, block, data)
                 try:
-                    self.store.put(name, data, describe(self.dataset, block, data))
+                    self.store.put(self._blocks + metadata[BLOCK_ID], data, metadata)
                 except SharedError as exc:
                     return done, exc
             return len(batch), None

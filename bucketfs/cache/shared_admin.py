@@ -21,6 +21,7 @@ from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.urls import BadUrl, parse_bucket_url
 from bucketfs.cache.shared_names import DESCRIPTOR, SharedNames
 from bucketfs.cache.shared_store import SharedError, SharedStore
+from bucketfs.status_view import size
 
 
 @dataclass(slots=True)
@@ -51,7 +52,7 @@ def list_datasets(store: Any) -> list[SharedDataset]:
     out = []
     for folder in store.folders(names.root):
         described = _descriptor(store, folder + DESCRIPTOR)
-        sizes = [size for _, size in store.objects(folder + "blocks/")]
+        sizes = [length for _, length in store.objects(folder + "blocks/")]
         if not described and not sizes:
             continue  # emptied (stores with directories, such as SeaweedFS, keep them)
         url, source, block_size = (described.get(k) for k in ("url", "source", "block_size"))
@@ -87,26 +88,18 @@ def clear_dataset(store: Any, wanted: str) -> list[SharedDataset]:
     return cleared
 
 
-def _human(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
 def format_datasets(datasets: list[SharedDataset]) -> str:
     if not datasets:
         return "no datasets in this shared tier"
     lines = []
     for d in datasets:
         what = d.url or "(no dataset.json: unknown dataset)"
-        block = f", {_human(d.block_size)} blocks" if d.block_size else ""
-        lines.append(f"{d.id}  {what}{block}: {d.blocks} blocks, {_human(d.bytes)}")
+        block = f", {size(d.block_size)} blocks" if d.block_size else ""
+        lines.append(f"{d.id}  {what}{block}: {d.blocks} blocks, {size(d.bytes)}")
         if d.source:
             lines.append(f"{'':32}  origin {d.source}")
     total = sum(d.bytes for d in datasets)
-    lines.append(f"{len(datasets)} dataset(s), {_human(total)} in all")
+    lines.append(f"{len(datasets)} dataset(s), {size(total)} in all")
     return "\n".join(lines)
 
 
@@ -157,5 +150,5 @@ def run_command(args: argparse.Namespace) -> int:
         return 1
     for dataset in cleared:
         print(f"cleared {dataset.url or dataset.id} ({dataset.id}): {dataset.blocks} "
-              f"blocks, {_human(dataset.bytes)}")
+              f"blocks, {size(dataset.bytes)}")
     return 0

@@ -39,7 +39,8 @@ DESCRIPTOR = "dataset.json"
 #: still covered by the identity digest (`bucketfs-id`).
 _METADATA_BUDGET = 1800
 
-_ID = "bucketfs-id"
+#: The metadata field holding the block's id, which is also its name in the folder.
+BLOCK_ID = "bucketfs-id"
 _KEY = "bucketfs-key"
 _DIGEST = "bucketfs-sha256"
 _LENGTH = "bucketfs-length"
@@ -129,7 +130,7 @@ def identity(dataset: Dataset, block: BlockId) -> dict[str, str]:
         "bucketfs-version": _clear(block.version),
         "bucketfs-block-size": str(dataset.block_size),
         "bucketfs-block": str(block.index),
-        _ID: block_id(dataset, block),
+        BLOCK_ID: block_id(dataset, block),
     }
 
 
