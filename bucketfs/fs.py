@@ -201,7 +201,7 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     @fuse_errors
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         node, handle = self._read_state(fh, off) if self.kernel_opens else self.handles[fh]
         try:
             return await self.reader.read(handle, off, size)

@@ -93,7 +93,10 @@ class Reader:
             self.on_open(key)
         return OpenFile(ObjectRef(key, version, size), self.settings)
 
-    async def read(self, handle: OpenFile, offset: int, length: int) -> bytes:
+    async def read(self, handle: OpenFile, offset: int, length: int) -> bytes | memoryview:
+        """Bytes [offset, offset + length) of the handle's version, clamped to its size.
+        A read within one block is a view of the cached block (no copy: pyfuse3 replies
+        from any buffer); one that spans blocks is joined."""
         self.reads += 1
         obj = handle.obj
         end = min(offset + length, obj.size)
@@ -110,9 +113,9 @@ class Reader:
         chunks = []
         for index in needed:
             start = index * self.block_size
-            data = await self._block(handle, index)
-            chunks.append(data[max(offset, start) - start:min(end, start + len(data)) - start])
-        data = b"".join(chunks)
+            block = memoryview(await self._block(handle, index))
+            chunks.append(block[max(offset, start) - start:min(end, start + len(block)) - start])
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         if len(data) != end - offset:  # blocks are exact; anything else is a bug
             raise RuntimeError(f"assembled {len(data)} bytes for a read of {end - offset}")
         self.bytes_read += len(data)

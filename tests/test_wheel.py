@@ -156,6 +156,6 @@ def test_dockerfile_python_steps(tmp_path):
     run("sh", "-c", f"{venv}/bin/python -m {install_step}", cwd=tmp_path)
     run(venv / "bin" / "bucketfs", "--version")
     run(venv / "bin" / "python", "-c", "import pyfuse3, rocksdict, boto3, "
-        "google.cloud.storage, trio, prometheus_client")
+        "google.cloud.storage, trio, prometheus_client, zlib_ng")
     # The image's pyfuse3 is the patched one, so its mounts skip OPEN (kernel_opens).
     run(venv / "bin" / "python", ROOT / "packaging" / "pyfuse3" / "build.py", "--check")

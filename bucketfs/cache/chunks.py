@@ -46,7 +46,6 @@ import logging
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +54,7 @@ from typing import NamedTuple, Protocol
 from rocksdict import Rdict, WriteBatch
 
 from bucketfs.cache.blocks import BlockId
+from bucketfs.cache.checksum import crc32
 from bucketfs.cache.chunk_files import (
     DATA_START,
     PASS_WAIT,
@@ -285,7 +285,7 @@ class ChunkStore:
         shared = self._passes.covering(packed.chunk, start, end)
         if shared is not None and shared.done.wait(PASS_WAIT) and shared.raw is not None:
             data = shared.raw[start - shared.start:end - shared.start]
-            if len(data) == packed.length and zlib.crc32(data) == packed.crc:
+            if len(data) == packed.length and crc32(data) == packed.crc:
                 return data, []  # its reader puts the rest in RAM
         following: list[Member] = []
         if ahead > 0 and self._passes.continues(packed.chunk, start):
@@ -310,7 +310,7 @@ class ChunkStore:
         finally:
             self._passes.finished(packed.chunk, stop, mine, raw)
         data = raw[:packed.length]
-        if len(data) != packed.length or zlib.crc32(data) != packed.crc:
+        if len(data) != packed.length or crc32(data) != packed.crc:
             log.warning("cache: a member of %s fails its checksum; treating it as a miss",
                         self.path(packed.chunk))
             with space.lock:
@@ -319,7 +319,7 @@ class ChunkStore:
         ahead_read = []
         for m in following:
             member = raw[m.offset - start:m.offset - start + m.length]
-            if len(member) == m.length and zlib.crc32(member) == m.crc:
+            if len(member) == m.length and crc32(member) == m.crc:
                 ahead_read.append((m, member))
         with space.lock:
             self.reads += 1
@@ -428,7 +428,7 @@ class ChunkStore:
                                       record.state)
                 changes.freed += record.length
                 changes.unlink.append(space.block_path(entry))
-            crc = zlib.crc32(data)
+            crc = crc32(data)
             batch.put(ENTRY + entry, encode_packed(
                 Packed(chunk, offset, len(data), crc, cost, layout)))
             table.append(Member(entry, offset, len(data), crc, cost))

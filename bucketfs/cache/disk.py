@@ -38,7 +38,6 @@ import logging
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from rocksdict import Options, Rdict, WriteBatch
 
 from bucketfs.cache import schema
 from bucketfs.cache.blocks import BlockId
+from bucketfs.cache.checksum import crc32
 from bucketfs.cache.chunks import ChunkStore, Decision, Reservation
 from bucketfs.cache.disk_open import (
     STEP_ASIDE,
@@ -238,7 +238,7 @@ class DiskTier(OpensDirectory):
         data = raw[header_len + name_len:]
         if name != entry or data_len != length or data_crc != crc or len(data) != length:
             return self._bad(path, "names another entry or has the wrong length")
-        if zlib.crc32(data) != crc:
+        if crc32(data) != crc:
             return self._bad(path, "checksum mismatch")
         return data
 
@@ -333,7 +333,7 @@ class DiskTier(OpensDirectory):
                     # Counted from now, so concurrent writers cannot overrun the budget.
                     self.writing[entry] = len(data)
                     self.used += len(data)
-                    planned.append((entry, data, cost, zlib.crc32(data)))
+                    planned.append((entry, data, cost, crc32(data)))
         except ValueError:
             self._give_back(planned)
             raise
