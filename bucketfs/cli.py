@@ -215,10 +215,14 @@ def _spawn_daemon(args: argparse.Namespace, config: object) -> int:
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             pass_fds=(write_end, options_read), start_new_session=True,
         )
+    except OSError as exc:  # no daemon to talk to: close our ends too
+        for fd in (read_end, options_write):
+            os.close(fd)
+        return error(f"cannot start the daemon ({command[0]}): {exc}")
     finally:
         os.close(log)
         os.close(options_read)
-    os.close(write_end)
+        os.close(write_end)
     values = {**config.as_dict(), "log_file": log_file}  # type: ignore[attr-defined]
     try:
         with os.fdopen(options_write, "w") as pipe:

@@ -26,7 +26,11 @@ _SECRET_PATTERNS = re.compile(
     r"(?i)(authorization[\"']?\s*[:=]\s*[\"']?)[^\"',\s]+(?:\s[^\"',\s]+)?"
     r"|((?:x-amz-)?(?:signature|credential|security-token)=)[^&\s\"']+"
     r"|(access_token[\"']?\s*[:=]\s*[\"']?)[^\"',\s]+"
-    # The userinfo of a URL: scheme://user:password@host (also a bare user@).
+    # The userinfo of an endpoint: everything before its last "@", even a password
+    # with a "/" in it (unencoded, as users paste one); an endpoint's path has no "@".
+    r"|(https?://)[^\s\"'<>]+@"
+    # The userinfo of any other URL: scheme://user:password@host (also a bare user@),
+    # never past a "/", since a bucket key may hold an "@".
     r"|([a-z][a-z0-9+.-]*://)[^/\s@\"']+@"
 )
 REDACTED = "<redacted>"
@@ -44,7 +48,7 @@ def _redacted(match: re.Match[str]) -> str:
     lead = match.group(1) or match.group(2) or match.group(3)
     if lead is not None:
         return lead + REDACTED
-    return f"{match.group(4)}{REDACTED}@"  # a URL's userinfo
+    return f"{match.group(4) or match.group(5)}{REDACTED}@"  # a URL's userinfo
 
 
 def _env_secrets() -> tuple[str, ...]:

@@ -34,6 +34,10 @@ ENDPOINT = f"http://bob:{PASSWORD}@127.0.0.1:9/"
     ('Could not connect to "https://AKIA:abc@s3.example.com/b"',
      f'Could not connect to "https://{REDACTED}@s3.example.com/b"'),
     ("key s3://bucket/user@example.com/x", "key s3://bucket/user@example.com/x"),  # a key
+    # A password with an unencoded "/" (not a valid URL, so the error names it).
+    ("bad endpoint http://bob:pa/ss+w@rd@10.0.0.1:9000",
+     f"bad endpoint http://{REDACTED}@10.0.0.1:9000"),
+    ("HTTPS://bob:pa/ss@host/b", f"HTTPS://{REDACTED}@host/b"),
     ("mail bob@example.com", "mail bob@example.com"),
 ])
 def test_url_userinfo_is_redacted(text, shown):

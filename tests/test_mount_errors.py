@@ -159,3 +159,24 @@ def test_empty_bucket_mounts_with_a_warning(tmp_path):
         assert os.listdir(mnt) == []
     finally:
         assert bucketfs("umount", str(mnt)).returncode == 0
+
+
+def test_daemon_that_cannot_start_is_one_line_and_leaks_no_descriptor(
+        source, tmp_path, monkeypatch, capsys):
+    """The daemon's process cannot be started (the interpreter gone, out of processes):
+    one line, a failing exit, and the pipes and the log closed."""
+    from bucketfs import cli
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(cli.subprocess, "Popen", refuse)
+    (tmp_path / "mnt").mkdir()
+    before = set(os.listdir("/proc/self/fd"))
+    code = cli.main(["mount", f"file://{source}", str(tmp_path / "mnt"),
+                     "--log-file", str(tmp_path / "mount.log")])
+    assert code != 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "cannot start the daemon" in lines[0], lines
+    assert "Resource temporarily unavailable" in lines[0]
+    assert set(os.listdir("/proc/self/fd")) == before
