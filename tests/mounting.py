@@ -22,6 +22,14 @@ def bucketfs(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
     )
 
 
+def drop_page_cache() -> None:
+    """So that the next read reaches the daemon instead of the kernel's copy (with
+    kernel_opens the kernel keeps a file's pages across opens). Root only."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
 def force_unmount(mountpoint: Path) -> None:
     if mount_entry(str(mountpoint)) is not None:
         subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import mounted, read_log
+from tests.mounting import drop_page_cache, mounted, read_log
 from tests.servers import GcsServer, S3Server
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]  # root: drops the page cache
@@ -90,12 +90,6 @@ def remote(request: pytest.FixtureRequest) -> Iterator[Remote]:
     remote.put(OLD)
     remote.put(b"unchanged\n", "keep.bin")
     yield remote
-
-
-def drop_page_cache() -> None:
-    """So that the next read reaches the daemon instead of the kernel's copy."""
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def what(offset: int, data: bytes, new: bytes) -> str:

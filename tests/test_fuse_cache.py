@@ -15,7 +15,7 @@ import time
 import pytest
 
 from bucketfs.runtime import state_dir
-from tests.mounting import bucketfs, force_unmount, mounted, sha256_file
+from tests.mounting import bucketfs, drop_page_cache, force_unmount, mounted, sha256_file
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
@@ -45,13 +45,6 @@ def read_everything(mnt) -> None:
         assert (mnt / name).read_bytes() == data, name
 
 
-def drop_kernel_cache() -> None:
-    """So a second pass reaches the daemon instead of the page cache."""
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def object_gets(proxy) -> int:
     return proxy.count("GET") - proxy.count("GET", "list-type=2")
 
@@ -68,12 +61,12 @@ def test_second_epoch_and_remount_issue_no_get_and_no_list(counted, tmp_path):
         read_everything(mnt)
         first = object_gets(proxy)
         assert first == 120 + 10  # one GET per image, ten 1 MiB blocks for the big one
-        drop_kernel_cache()
+        drop_page_cache()
         read_everything(mnt)
         assert object_gets(proxy) == first
     proxy.clear()
     with mounted("s3://cached", tmp_path / "mnt", *args, env=env) as mnt:
-        drop_kernel_cache()
+        drop_page_cache()
         read_everything(mnt)
         assert object_gets(proxy) == 0, "a remount went back to the bucket for data"
         assert lists(proxy) == 0, "a remount listed the bucket again"
@@ -103,7 +96,7 @@ def test_ram_only_cache_serves_a_second_epoch(counted, tmp_path):
                  env=env) as mnt:
         read_everything(mnt)
         first = object_gets(proxy)
-        drop_kernel_cache()
+        drop_page_cache()
         read_everything(mnt)
         assert object_gets(proxy) == first
 
@@ -137,7 +130,7 @@ def test_kill_9_while_filling_then_remount_is_byte_exact(counted, tmp_path, dela
             future.result()
     force_unmount(mnt)  # the stale mount the killed daemon left
     with mounted("s3://cached", tmp_path / "mnt2", *args, env=env) as again:
-        drop_kernel_cache()
+        drop_page_cache()
         for name, data in FILES.items():
             assert sha256_file(again / name) == hashlib.sha256(data).hexdigest(), name
 
@@ -165,7 +158,7 @@ def test_full_cache_disk_degrades_without_errors_to_readers(counted, tmp_path):
                      "--cache-dir", str(tiny / "cache"), "--disk-free-floor", "0",
                      "--ram-cache", "1MiB", env=env) as mnt:
             read_everything(mnt)
-            drop_kernel_cache()
+            drop_page_cache()
             read_everything(mnt)
         log = (tmp_path / "mnt.log").read_text()
         assert log.count("stops taking writes") == 1
@@ -184,7 +177,7 @@ def test_metrics_endpoint_and_cache_commands(counted, tmp_path):
     with mounted("s3://cached", tmp_path / "mnt", "--addressing-style", "path",
                  "--cache-dir", str(cache), "--metrics-port", str(port), env=env) as mnt:
         read_everything(mnt)
-        drop_kernel_cache()
+        drop_page_cache()
         read_everything(mnt)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             text = reply.read().decode()

@@ -8,12 +8,11 @@ blocks, served 11 of 40 random ranges of a large object from the wrong offsets."
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import random
 
 import pytest
 
-from tests.mounting import expected_tree, mounted, tree
+from tests.mounting import drop_page_cache, expected_tree, mounted, tree
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
@@ -34,12 +33,6 @@ def bucket(s3_server):
 
 def object_gets(proxy) -> int:
     return proxy.count("GET") - proxy.count("GET", "list-type=2")
-
-
-def drop_kernel_cache() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def random_ranges(path, seed: int, count: int = 40) -> list[tuple[int, int]]:
@@ -74,7 +67,7 @@ def test_a_changed_block_size_serves_exact_bytes_and_shares_whole_objects(
     for block_size, seed in (("1MiB", 1), ("4MiB", 2), ("3MiB", 3)):
         proxy.clear()
         with mount(block_size) as mnt:
-            drop_kernel_cache()
+            drop_page_cache()
             assert random_ranges(mnt / "big.bin", seed) == []
             # Objects smaller than both block sizes are the same entry for both.
             for name, data in SMALL.items():

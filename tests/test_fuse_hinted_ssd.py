@@ -4,13 +4,12 @@ back to the origin about as little as Belady's MIN allows."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
 from bucketfs.hints import send_order
-from tests.mounting import mounted
+from tests.mounting import drop_page_cache, mounted
 from tests.servers import free_ports
 from tests.test_fuse_hints import metrics
 
@@ -19,13 +18,6 @@ pytestmark = [pytest.mark.fuse, pytest.mark.root]
 FILES = 160
 FILE_BYTES = 40_000
 SSD_FILES = FILES // 2
-
-
-def drop_page_cache() -> None:
-    # keep_cache would let the kernel serve a later epoch without asking the daemon
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def gets(port: int) -> float:

@@ -15,9 +15,8 @@ from torchvision import datasets, transforms
 
 from bucketfs.demo import make_image_dataset
 from bucketfs.hints import HintSampler
-from tests.mounting import bucketfs, mounted
+from tests.mounting import bucketfs, drop_page_cache, mounted
 from tests.servers import free_ports
-from tests.test_fuse_cache import drop_kernel_cache
 
 pytestmark = pytest.mark.fuse
 
@@ -63,7 +62,7 @@ def test_hint_sampler_prefetches_and_changes_no_sample(s3_server, tmp_path):
         # its page cache without asking the daemon; drop it, as a dataset larger than
         # the node's memory would, so that the first hinted epoch reads through the
         # daemon.
-        drop_kernel_cache()
+        drop_page_cache()
         hinted = epochs(dataset, HintSampler(RandomSampler(
             dataset, generator=torch.Generator().manual_seed(11)), dataset), 2)
         after = metrics(port)

@@ -22,7 +22,7 @@ from torchvision.datasets import DatasetFolder
 from bucketfs.hints import HintSampler, send_order
 from bucketfs.packer import layout_tag
 from bucketfs.runtime import state_dir
-from tests.mounting import bucketfs, force_unmount, mounted
+from tests.mounting import bucketfs, drop_page_cache, force_unmount, mounted
 from tests.servers import free_ports
 from tests.test_fuse_hints import metrics
 from tests.test_packing_next_epoch import chunk_layouts, follows
@@ -44,13 +44,6 @@ def bucket(tmp_path_factory) -> tuple[str, dict[str, bytes]]:
         (root / key).parent.mkdir(parents=True, exist_ok=True)
         (root / key).write_bytes(data)
     return f"file://{root}", files
-
-
-def drop_kernel_cache() -> None:
-    """So a pass reaches the daemon instead of the page cache."""
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def wait_for(port: int, ready: Callable[[dict[str, float]], bool],
@@ -94,7 +87,7 @@ def test_a_hinted_epoch_is_packed_in_read_order_and_served_from_chunks(bucket, t
         assert packed["bucketfs_cache_ssd_packed_bytes"] == total
         chunks = packed["bucketfs_cache_ssd_chunks"]
         assert total / (4 * 1024**2) <= chunks <= total / (4 * 1024**2) + 2
-        drop_kernel_cache()
+        drop_page_cache()
         read_in_order(mnt, files, order)
         second = metrics(port)
         # Already laid out in this order: nothing written again.
@@ -108,7 +101,7 @@ def test_a_hinted_epoch_is_packed_in_read_order_and_served_from_chunks(bucket, t
     # After a remount (RAM empty, page cache dropped) the epoch comes from the chunks:
     # one pread per chunk brings the files after the first into RAM.
     with mounted(url, tmp_path / "mnt", *args) as mnt:
-        drop_kernel_cache()
+        drop_page_cache()
         read_in_order(mnt, files, order)
         third = metrics(port)
     assert third['bucketfs_origin_requests_total{kind="get"}'] == 0
@@ -171,7 +164,7 @@ def test_an_epoch_is_laid_out_in_the_order_the_sampler_will_read_next(bucket, tm
 
     # Epoch 1 then comes from the chunks in sequence: one pread per chunk.
     with mounted(url, tmp_path / "mnt", *args) as mnt:
-        drop_kernel_cache()
+        drop_page_cache()
         read_in_order(mnt, files, epoch_1)
         served = metrics(port)
     assert served['bucketfs_origin_requests_total{kind="get"}'] == 0
@@ -213,7 +206,7 @@ def test_kill_9_while_packing_then_remount_is_byte_exact(bucket, tmp_path,
     force_unmount(mnt)  # the stale mount the killed daemon left
     with mounted(url, tmp_path / "mnt2", *args, "--metrics-port", str(port)) as again:
         recovered = metrics(port)
-        drop_kernel_cache()
+        drop_page_cache()
         read_in_order(again, files, order)
         after = metrics(port)
     assert recovered["bucketfs_cache_ssd_chunks"] >= chunks_before_kill

@@ -5,7 +5,6 @@ and the mount stays up. The device is a small ext4 filesystem on a loop device."
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import shutil
 import stat
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import mounted, read_log, tree
+from tests.mounting import drop_page_cache, mounted, read_log, tree
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
@@ -89,12 +88,6 @@ def read_all(mnt: Path, names) -> None:
         assert (mnt / name).read_bytes() == FILES[name], name
 
 
-def drop_kernel_cache() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def warnings_in(log: str) -> list[str]:
     return [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line]
 
@@ -110,7 +103,7 @@ def test_a_full_device_keeps_serving_from_the_bucket(bucket, small_tmpfs, tmp_pa
         read_all(mnt, FILL)  # more than the device holds: the SSD tier steps aside
         fill_up(device)      # and the index has no room left either
         assert tree(mnt) == tree(bucket)  # new directories, listed now: kept in memory
-        drop_kernel_cache()
+        drop_page_cache()
         read_all(mnt, FILES)
     found = warnings_in(read_log(tmp_path / "mnt.log"))
     assert any("SSD tier stops taking writes" in w for w in found), found
@@ -125,7 +118,7 @@ def test_a_device_turned_read_only_keeps_serving(bucket, device, tmp_path):
         turn_read_only(device)
         read_all(mnt, list(FILL)[5:20])
         assert tree(mnt) == tree(bucket)
-        drop_kernel_cache()
+        drop_page_cache()
         read_all(mnt, FILES)
     log = read_log(tmp_path / "mnt.log")
     assert any("SSD tier stops taking writes" in w for w in warnings_in(log)), log
@@ -139,7 +132,7 @@ def test_a_cache_directory_removed_while_mounted(bucket, device, tmp_path):
         # Moved away first: the daemon may write into it while it is being deleted.
         cache.rename(device / "removed")
         shutil.rmtree(device / "removed", ignore_errors=True)
-        drop_kernel_cache()
+        drop_page_cache()
         read_all(mnt, list(FILL)[:12])
         assert tree(mnt) == tree(bucket)
     assert "Traceback" not in read_log(tmp_path / "mnt.log")

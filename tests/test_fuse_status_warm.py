@@ -25,7 +25,7 @@ from bucketfs import runtime
 from bucketfs.hints.client import Target
 from bucketfs.hints.control import start_warm, status
 from bucketfs.status import REQUEST_PRICES
-from tests.mounting import bucketfs, mounted
+from tests.mounting import bucketfs, drop_page_cache, mounted
 from tests.servers import free_ports
 from tests.test_fuse_hints import metrics
 
@@ -61,12 +61,6 @@ def origin_seen(proxy) -> dict[str, int]:
 def read_everything(mnt: Path) -> None:
     for name, data in FILES.items():
         assert (mnt / name).read_bytes() == data, name
-
-
-def drop_kernel_cache() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def status_json(mnt: Path) -> dict:
@@ -106,7 +100,7 @@ def test_status_agrees_with_metrics_and_with_what_the_origin_saw(counted, tmp_pa
         proxy.add_rule(method="GET", path_contains="train/c1/001.jpg", action="status:503",
                        times=1)  # one retry, which the bucket sees and so must the status
         read_everything(mnt)
-        drop_kernel_cache()
+        drop_page_cache()
         read_everything(mnt)  # RAM holds 2 MiB: most of this comes from the SSD tier
         settle(mnt)
         report, scrape, again = status_json(mnt), metrics(port), status_json(mnt)
@@ -192,7 +186,7 @@ def test_warm_then_an_epoch_makes_no_get(counted, tmp_path):
             ("done", len(FILES), total)
         settle(mnt)
         proxy.clear()
-        drop_kernel_cache()
+        drop_page_cache()
         read_everything(mnt)  # RAM holds 2 MiB of it; the SSD tier the rest
         assert origin_seen(proxy) == {"get": 0, "head": 0, "list": 0}
         (tmp_path / "list.txt").write_text("big/blob.bin\ntrain/c1\n")
