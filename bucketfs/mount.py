@@ -22,6 +22,7 @@ import ctypes
 import dataclasses
 import errno
 import functools
+import gc
 import grp
 import logging
 import math
@@ -338,6 +339,9 @@ async def _serve_namespace(
             nursery.start_soon(_stop_on_signal)
             start_guarded(nursery, "raising the kernel's read-ahead",
                           _set_kernel_readahead, info.mountpoint, config.kernel_readahead)
+            # What start-up made (modules, the SDKs' tables: most of the heap) lives until
+            # exit; frozen, the collector's full passes during reads no longer walk it.
+            gc.freeze()
             # Returns when the kernel ends the session (fusermount -u) or a signal
             # calls terminate(); unmounting an already unmounted path is harmless, and
             # a crash must not leave a stale mount behind.
