@@ -17,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 
+from bucketfs.backends import retry as retry_module
 from bucketfs.backends.base import BackendError, TransientError, Unreachable
 from bucketfs.backends.common import retry_after
 from bucketfs.backends.retry import RetryPolicy, call_with_retries
@@ -42,15 +43,19 @@ def test_retry_after_date_in_the_future() -> None:
 
 
 @pytest.mark.parametrize("attempt", range(8))
-def test_delay_is_at_least_what_the_server_asked_within_max_delay(attempt: int) -> None:
+@pytest.mark.parametrize("draw", ["lowest", "highest"])
+def test_delay_is_at_least_what_the_server_asked_within_max_delay(
+        attempt: int, draw: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The jitter pinned to either end of its range, so each delay is one exact value:
+    the larger of the drawn backoff and what the server asked for, capped."""
+    monkeypatch.setattr(retry_module.random, "uniform",
+                        lambda low, high: low if draw == "lowest" else high)
     policy = RetryPolicy(attempts=8, base_delay=0.1, max_delay=2.0)
-    backoff_cap = min(2.0, 0.1 * 2**attempt)
-    for _ in range(50):
-        # The larger of the jittered backoff and what the server asked for.
-        assert 1.5 <= policy.delay(attempt, 1.5) <= max(1.5, backoff_cap)
-        assert policy.delay(attempt, 60.0) == 2.0  # never past max_delay
-        assert 0 <= policy.delay(attempt, 0.0) <= backoff_cap
-        assert 0 <= policy.delay(attempt) <= backoff_cap
+    backoff = 0.0 if draw == "lowest" else min(2.0, 0.1 * 2**attempt)
+    assert policy.delay(attempt, 1.5) == max(1.5, backoff)
+    assert policy.delay(attempt, 60.0) == 2.0  # never past max_delay
+    assert policy.delay(attempt, 0.0) == backoff
+    assert policy.delay(attempt) == backoff
 
 
 def run_timed(policy: RetryPolicy, errors: list[BackendError]) -> tuple[object, float, int]:
