@@ -110,17 +110,24 @@ def _fast_store(bucket: str, client: Any, session: boto3.session.Session,
     return S3Store(bucket, **options)
 
 
+def _open_client(settings: BackendSettings, where: str, config: Config | None = None,
+                 ) -> tuple[boto3.session.Session, Any]:
+    """A boto3 session (the profile's credential chain) and its S3 client; what fails
+    is a backend error about `where`."""
+    try:
+        session = boto3.session.Session(profile_name=settings.profile)
+        return session, session.client("s3", endpoint_url=settings.endpoint_url,
+                                       region_name=settings.region, config=config)
+    except BotoCoreError as exc:
+        kind, reason = _classify(exc, BackendError)
+        raise kind(f"{where}: {one_line(reason)}") from None
+
+
 def open_object_store(bucket: str, settings: BackendSettings) -> tuple[S3Store, str]:
     """An obstore S3Store for `bucket`, with its public endpoint: reached and signed as
     the origin would be with these settings (the shared cache tier reads and writes
     through it)."""
-    try:
-        session = boto3.session.Session(profile_name=settings.profile)
-        client = session.client("s3", endpoint_url=settings.endpoint_url,
-                                region_name=settings.region)
-    except BotoCoreError as exc:
-        kind, reason = _classify(exc, BackendError)
-        raise kind(f"s3://{bucket}: {one_line(reason)}") from None
+    session, client = _open_client(settings, f"s3://{bucket}")
     try:
         return (_fast_store(bucket, client, session, settings),
                 public_endpoint(client.meta.endpoint_url))
@@ -146,14 +153,7 @@ class S3Backend:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        try:
-            session = boto3.session.Session(profile_name=settings.profile)
-            self._client = session.client(
-                "s3", endpoint_url=settings.endpoint_url, region_name=settings.region, config=config
-            )
-        except BotoCoreError as exc:
-            kind, reason = _classify(exc, BackendError)
-            raise kind(f"{self.url}: {one_line(reason)}") from None
+        session, self._client = _open_client(settings, str(self.url), config)
         self.endpoint = public_endpoint(self._client.meta.endpoint_url)
         self._gets = RangedGets(
             _fast_store(bucket, self._client, session, settings),

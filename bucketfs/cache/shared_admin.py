@@ -19,7 +19,7 @@ from typing import Any
 
 from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.urls import BadUrl, parse_bucket_url
-from bucketfs.cache.shared_names import DESCRIPTOR, SharedNames
+from bucketfs.cache.shared_names import BLOCKS, DESCRIPTOR, SharedNames
 from bucketfs.cache.shared_store import SharedError, SharedStore
 from bucketfs.status_view import size
 
@@ -52,7 +52,7 @@ def list_datasets(store: Any) -> list[SharedDataset]:
     out = []
     for folder in store.folders(names.root):
         described = _descriptor(store, folder + DESCRIPTOR)
-        sizes = [length for _, length in store.objects(folder + "blocks/")]
+        sizes = [length for _, length in store.objects(folder + BLOCKS)]
         if not described and not sizes:
             continue  # emptied (stores with directories, such as SeaweedFS, keep them)
         url, source, block_size = (described.get(k) for k in ("url", "source", "block_size"))
@@ -82,8 +82,8 @@ def clear_dataset(store: Any, wanted: str) -> list[SharedDataset]:
     names = SharedNames(store.prefix)
     cleared = [d for d in list_datasets(store) if _matches(d, wanted)]
     for dataset in cleared:
-        folder = f"{names.root}{dataset.id}/"
-        store.delete([name for name, _ in store.objects(folder + "blocks/")])
+        folder = names.folder_of(dataset.id)
+        store.delete([name for name, _ in store.objects(folder + BLOCKS)])
         store.delete([folder + DESCRIPTOR])
     return cleared
 

@@ -35,6 +35,8 @@ from bucketfs.cache.blocks import BlockId
 FORMAT = "1"
 ROOT = "bucketfs-v1/"
 DESCRIPTOR = "dataset.json"
+#: The folder, in a dataset's folder, that holds its blocks.
+BLOCKS = "blocks/"
 #: S3 allows 2 KiB of user metadata per object; a key too long to repeat in clear is
 #: still covered by the identity digest (`bucketfs-id`).
 _METADATA_BUDGET = 1800
@@ -101,10 +103,14 @@ class SharedNames:
         return self.prefix + ROOT
 
     def folder(self, dataset: Dataset) -> str:
-        return f"{self.root}{dataset.folder}/"
+        return self.folder_of(dataset.folder)
+
+    def folder_of(self, folder_id: str) -> str:
+        """A dataset's folder by its id (what `bucketfs cache shared-list` shows)."""
+        return f"{self.root}{folder_id}/"
 
     def blocks(self, dataset: Dataset) -> str:
-        return f"{self.folder(dataset)}blocks/"
+        return self.folder(dataset) + BLOCKS
 
     def descriptor(self, dataset: Dataset) -> str:
         return self.folder(dataset) + DESCRIPTOR
