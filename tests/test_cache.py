@@ -305,3 +305,35 @@ def test_block_evicted_while_its_ssd_write_runs_is_served_from_the_queue(tmp_pat
     assert h.backend.calls["get"] == 4
     h.run(h.read_all)  # everything made it to SSD once
     assert h.backend.calls["get"] == 4
+
+
+def test_write_through_gathers_cold_reads_into_batches(tmp_path, monkeypatch):
+    """Blocks fetched a millisecond apart reach the SSD tier in a few batches (one
+    device flush and one index write each), not one `put_many` per block as they came."""
+    objects = dataset(count=32)
+    h = Harness(objects, disk=64 * MiB, directory=tmp_path / "cache")
+    batches: list[int] = []
+    original = DiskTier.put_many
+
+    def recording(self, blocks):
+        if not flushing:
+            batches.append(len(blocks))
+        return original(self, blocks)
+
+    monkeypatch.setattr(DiskTier, "put_many", recording)
+
+    async def body(cache):
+        for key in sorted(objects):
+            assert await cache.get(h.ref(key), 0) == objects[key]
+            await trio.sleep(0.001)
+        with trio.fail_after(5):  # all written before the flush at the end
+            while cache.queued:
+                await trio.sleep(0.005)
+        nonlocal flushing
+        flushing = True  # the flush at unmount offers what RAM holds once more
+
+    flushing = False
+    h.run(body)
+    assert sum(batches) == len(objects)
+    assert batches[0] > 1
+    assert len(batches) <= 4, batches
