@@ -10,7 +10,9 @@ layout and one LARGE_MIB object:
   - bucketfs, CPU charged to the daemon (/proc/PID/stat, all threads): a cold pass of
     READERS threads doing open/read/close in a shuffled order, with --cache-dir and RAM
     only; warm passes from the RAM tier (page cache and names dropped; then again with
-    the tree listed first, as a dataset scan does) and from the page cache;
+    the tree listed first, as a dataset scan does) and from the page cache; from the
+    SSD tier (the cache directory mounted again, RAM and page cache empty, another
+    shuffled order);
     the same cold and warm passes again with --no-kernel-opens (the daemon answers
     every open, as under a stock pyfuse3);
   - a cold sequential read of the large object (dd bs=4M) against 8 parallel 8 MiB
@@ -301,6 +303,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             passes["warm, RAM tier, names listed"] = mnt.read_all(rel, args.readers)
             with Profiler(profile, mnt.pid, "warm-pagecache"):
                 passes["warm, page cache"] = mnt.read_all(rel, args.readers)
+        # The same cache directory mounted again: RAM is empty, so every file comes from
+        # the SSD tier, in another shuffled order (as the next epoch's would be).
+        reshuffled = list(rel)
+        random.Random(6).shuffle(reshuffled)
+        with Mount(server, work_dir / "cached", [*ram, "--cache-dir",
+                                                   str(work_dir / "cache")]) as mnt:
+            mnt.list_tree(rel)
+            drop_page_cache()
+            with Profiler(profile, mnt.pid, "warm-ssd"):
+                passes["warm, SSD tier (remounted)"] = mnt.read_all(reshuffled, args.readers)
         with Mount(server, work_dir / "ramonly", ram) as mnt:
             mnt.list_tree(rel)
             passes["cold, RAM only"] = mnt.read_all(rel, args.readers)

@@ -21,8 +21,9 @@ Metrics (labels in braces):
   bucketfs_cache_ssd_writes_total             blocks written through to the SSD tier
   bucketfs_cache_ssd_writable                 1 while the SSD tier takes writes, else 0
   bucketfs_cache_write_queue_bytes            fetched bytes waiting to be written to SSD
-  bucketfs_cache_ssd_chunks                   chunk files: small files packed in read order
-  bucketfs_cache_ssd_packed_bytes             bytes of the files packed in chunk files
+  bucketfs_cache_ssd_chunks                   chunk files: small files packed in read order,
+                                              or written through together
+  bucketfs_cache_ssd_packed_bytes             bytes of the files held in chunk files
   bucketfs_cache_ssd_chunk_reads_total        preads of chunk files (one also brings the
                                               members after the one asked for)
   bucketfs_cache_ssd_read_ahead_total         blocks that came into RAM with the pread of
@@ -194,11 +195,12 @@ class MountCollector(Collector):
             chunks = disk.chunks
             yield GaugeMetricFamily(
                 PREFIX + "cache_ssd_chunks",
-                "Chunk files on the SSD tier (small files packed in read order).",
+                "Chunk files on the SSD tier (small files packed in read order, or written "
+                "through together).",
                 value=chunks.count)
             yield GaugeMetricFamily(
                 PREFIX + "cache_ssd_packed_bytes",
-                "Bytes of the files packed in chunk files on the SSD tier.",
+                "Bytes of the files held in chunk files on the SSD tier.",
                 value=chunks.live_bytes)
             yield CounterMetricFamily(
                 PREFIX + "cache_ssd_chunk_reads_total",

@@ -160,7 +160,19 @@ def test_ssd_budget_holds_under_twice_its_size(tmp_path):
     assert on_disk <= 3 * MiB + 60 * 200  # headers are small and not counted as data
 
 
-def test_damaged_or_foreign_block_files_are_misses_not_data(tmp_path):
+@pytest.fixture
+def block_files(monkeypatch):
+    """Every block a file of its own: no block counts as small enough to share a
+    write-through chunk (as with large blocks, or while hints choose what is kept)."""
+    monkeypatch.setattr("bucketfs.cache.disk.CHUNKED_BELOW", 0)
+
+
+def cache_files(directory: Path) -> list[Path]:
+    """The block files and chunk files of an SSD tier."""
+    return sorted([*(directory / "data").rglob("*.blk"), *(directory / "chunks").glob("*.chk")])
+
+
+def test_damaged_or_foreign_block_files_are_misses_not_data(tmp_path, block_files):
     objects = dataset(4)
     h = Harness(objects, ram=1, disk=64 * MiB, directory=tmp_path / "cache")
     h.run(h.read_all)
@@ -263,7 +275,7 @@ def test_free_space_floor_is_kept_without_wiping_the_cache(tiny_filesystem: Path
     directory = tiny_filesystem / "cache"
     h = Harness(objects, ram=1, disk=100 * MiB, directory=directory)
     h.run(h.read_all)
-    on_disk = len(list((directory / "data").rglob("*.blk")))
+    on_disk = len(cache_files(directory))
     assert on_disk > 0
     # Someone else fills the device: a floor above what is free cannot be met by evicting
     # our blocks, so none are evicted and nothing more is written.
@@ -278,7 +290,7 @@ def test_free_space_floor_is_kept_without_wiping_the_cache(tiny_filesystem: Path
         assert cache.stats.misses == 10 and cache.stats.disk_hits == 20
 
     h.run(body)
-    assert len(list((directory / "data").rglob("*.blk"))) == on_disk
+    assert len(cache_files(directory)) == on_disk
 
 
 def test_block_evicted_while_its_ssd_write_runs_is_served_from_the_queue(tmp_path,

@@ -357,7 +357,7 @@ def test_concurrent_reads_packing_and_eviction_never_return_wrong_bytes(tmp_path
             for round_ in range(40):
                 blocks = rng.choice(sets)
                 chosen = dict(rng.sample(list(blocks.items()), 4))
-                pack(disk, chosen, bytes([round_ % 3]) * 8)
+                pack(disk, chosen, bytes([round_ % 3 + 1]) * 8)
                 assert disk.used <= disk.capacity
         finally:
             stop.set()

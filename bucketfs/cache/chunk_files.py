@@ -155,9 +155,11 @@ class Passes:
         self._inflight: dict[int, list[_Pass]] = {}
         self._recent: OrderedDict[_Pass, int] = OrderedDict()  # done pass -> its chunk
 
-    def continues(self, chunk: int, offset: int) -> bool:
+    def continues(self, chunk: int, offset: int, *, from_start: bool = True) -> bool:
+        """Whether a read at `offset` continues a pass (or, `from_start`, begins one
+        at 0)."""
         with self._lock:
-            return offset == 0 or self._ends.get(chunk) == offset
+            return (from_start and offset == 0) or self._ends.get(chunk) == offset
 
     def covering(self, chunk: int, start: int, end: int) -> _Pass | None:
         with self._lock:

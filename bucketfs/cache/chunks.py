@@ -6,8 +6,16 @@ sequential reads. The daemon's packer (`bucketfs/packer.py`, planning in
 `prefetch/layout.py`) decides which files go together and hands their bytes to
 `ChunkStore.write`; this module keeps chunks in the index (schema.py: a `K` record per
 chunk with its member table, a `Packed` `E` record per member), writes, reads, evicts
-and recovers them. The files themselves are chunk_files.py's. Without hints nothing is
-packed: every entry is a block file.
+and recovers them. The files themselves are chunk_files.py's.
+
+The write-through makes chunks too (`write_through`): a batch of small blocks fetched
+about together is one file in the order they came, tagged `WRITE_THROUGH` (no order
+laid it out, so the packer treats its members as unpacked and moves them into a chunk
+of its own layout). Creating, naming and flushing a file per ~100 KB block cost more
+CPU than writing its bytes; an epoch served from SSD reads a member with one pread of
+an open chunk instead of an open, a read and a close. A read of such a chunk's first
+member starts no read-ahead pass (the next member is whatever was fetched next); one
+that continues where the last stopped does.
 
 Eviction ranks and evicts whole chunks. A chunk is one entry of the tier's policy: its
 size is its data bytes, its refetch cost the sum of its members', and it is referenced
@@ -69,6 +77,7 @@ from bucketfs.cache.schema import (
     CHUNK,
     ENTRY,
     LAYOUT_BYTES,
+    WRITE_THROUGH,
     ChunkRecord,
     ChunkTotals,
     Member,
@@ -288,7 +297,10 @@ class ChunkStore:
             if len(data) == packed.length and crc32(data) == packed.crc:
                 return data, []  # its reader puts the rest in RAM
         following: list[Member] = []
-        if ahead > 0 and self._passes.continues(packed.chunk, start):
+        # A write-through chunk holds blocks in the order they were fetched: reading
+        # its first member says nothing of the next; reading on from the last does.
+        if ahead > 0 and self._passes.continues(packed.chunk, start,
+                                                from_start=packed.layout != WRITE_THROUGH):
             for m in record.members:  # in offset order
                 if m.offset < end:
                     continue
@@ -361,20 +373,39 @@ class ChunkStore:
         entry already packed with the same `layout` tag is left where it is; one stored
         as a block file or in another chunk moves here. False if nothing was written
         (the tier steps aside, or no room)."""
+        layout = layout.ljust(LAYOUT_BYTES, b"\0")[:LAYOUT_BYTES]
+        if layout == WRITE_THROUGH:
+            raise ValueError("that layout tag is the write-through's")
+        return self._write(members, layout, replace=True) is not None
+
+    def write_through(self, members: Sequence[tuple[bytes, bytes, float]]) -> int:
+        """Store fetched blocks (entry, bytes, cost) as one chunk in the order they came
+        (tagged `WRITE_THROUGH`): one file instead of one per block. An entry the tier
+        holds already, in any form, is left where it is. How many of them the tier now
+        holds (0: none, no room or the tier steps aside)."""
+        return self._write(members, WRITE_THROUGH, replace=False) or 0
+
+    def _write(self, members: Sequence[tuple[bytes, bytes, float]], layout: bytes, *,
+               replace: bool) -> int | None:
+        """`write` (`replace`: move entries stored otherwise here) or `write_through`;
+        how many members are in place afterwards, None if nothing was stored."""
         space = self.space
         unique: dict[bytes, tuple[bytes, float]] = {}
         for entry, data, cost in members:
             if data:
                 unique.setdefault(entry, (data, cost))
         if not space.writable or not unique:
-            return False
-        layout = layout.ljust(LAYOUT_BYTES, b"\0")[:LAYOUT_BYTES]
-        chunk, kept = -1, []
+            return None
+        chunk, kept, indexed = -1, [], 0
 
         def decide() -> Decision:  # lock held
             nonlocal chunk, kept
-            kept = [(e, d, c) for e, (d, c) in unique.items()
-                    if not self._laid_out(e, layout)]
+            if replace:
+                kept = [(e, d, c) for e, (d, c) in unique.items()
+                        if not self._laid_out(e, layout)]
+            else:
+                kept = [(e, d, c) for e, (d, c) in unique.items()
+                        if space.index.get(ENTRY + e) is None]
             if not kept:
                 return True
             size = sum(len(d) for _, d, _ in kept)
@@ -398,10 +429,16 @@ class ChunkStore:
             write_chunk_file(reservation.path, chunk, [d for _, d, _ in kept])
 
         def index(reservation: Reservation) -> int:  # lock held
-            self._index(chunk, kept, layout, reservation.size)
-            return 0
+            nonlocal indexed
+            indexed = self._index(chunk, kept, layout, reservation.size, replace)
+            if indexed:
+                return 0
+            reservation.path.unlink(missing_ok=True)  # all stored meanwhile elsewhere
+            return reservation.size
 
-        return space.store(decide, write, index)
+        if not space.store(decide, write, index):
+            return None
+        return len(unique) - len(kept) + indexed
 
     def _laid_out(self, entry: bytes, layout: bytes) -> bool:  # lock held
         value = self.space.index.get(ENTRY + entry)
@@ -409,9 +446,11 @@ class ChunkStore:
         return packed is not None and packed.layout == layout
 
     def _index(self, chunk: int, kept: list[tuple[bytes, bytes, float]], layout: bytes,
-               size: int) -> None:  # lock held
+               size: int, replace: bool = True) -> int:  # lock held
         """One batch: the chunk's record and ranks, every member's record, and the
-        removal of what each member replaces."""
+        removal of what each member replaces; without `replace`, a member stored
+        meanwhile stays where it is (its bytes here are dead). How many members were
+        indexed (0: none, and nothing was written to the index)."""
         space = self.space
         batch, changes = WriteBatch(raw_mode=True), _Changes()
         moved: dict[int, int] = {}  # older chunk -> bytes of it that move here
@@ -419,6 +458,9 @@ class ChunkStore:
         offset = 0
         for entry, data, cost in kept:
             old = space.index.get(ENTRY + entry)
+            start, offset = offset, offset + len(data)
+            if old is not None and not replace:
+                continue
             packed = None if old is None else decode_packed(old)
             if packed is not None:
                 moved[packed.chunk] = moved.get(packed.chunk, 0) + packed.length
@@ -430,18 +472,21 @@ class ChunkStore:
                 changes.unlink.append(space.block_path(entry))
             crc = crc32(data)
             batch.put(ENTRY + entry, encode_packed(
-                Packed(chunk, offset, len(data), crc, cost, layout)))
-            table.append(Member(entry, offset, len(data), crc, cost))
-            offset += len(data)
+                Packed(chunk, start, len(data), crc, cost, layout)))
+            table.append(Member(entry, start, len(data), crc, cost))
+        if not table:
+            return 0
+        live = sum(m.length for m in table)
         cost = sum(m.cost for m in table)
         state = space.ranking.admitted(batch, chunk_rank_name(chunk), size, cost)
-        batch.put(chunk_key(chunk), encode_chunk(ChunkRecord(size, size, cost, state, table)))
-        changes.chunks, changes.data, changes.live = 1, size, size
+        batch.put(chunk_key(chunk), encode_chunk(ChunkRecord(size, live, cost, state, table)))
+        changes.chunks, changes.data, changes.live = 1, size, live
         keep = {m.entry for m in table}
         for older, amount in moved.items():
             self._release(batch, older, amount, changes, keep)
         space.index.write(batch)
         self._apply(changes)
+        return len(table)
 
     # --- reclaiming ---------------------------------------------------------------------
 

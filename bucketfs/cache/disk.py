@@ -1,4 +1,9 @@
-"""The SSD tier: one file per block under the cache directory, indexed in RocksDB.
+"""The SSD tier: block files and chunk files under the cache directory, indexed in RocksDB.
+
+What the write-through sends comes in batches (`put_many`): its small blocks go
+together into write-through chunks (chunks.py), unless hinted orders are choosing
+what the tier keeps (`HintedVictims` decides block by block); lone and large blocks
+are block files.
 
 Durability, in this order, so a crash at any moment leaves nothing torn under a real
 name: write `NAME.tmp`, flush (one `syncfs` for a batch of blocks, durable.py), rename
@@ -59,7 +64,7 @@ from bucketfs.cache.durable import write_many
 from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.cache.ranking import IndexRanking
 from bucketfs.cache.scans import prefixed
-from bucketfs.cache.schema import ENTRY, BlockRecord, Member
+from bucketfs.cache.schema import ENTRY, WRITE_THROUGH, BlockRecord, Member
 from bucketfs.cache.tier import Hit
 from bucketfs.prefetch.eviction import RankedPolicy
 from bucketfs.private import UnsafePath
@@ -67,6 +72,12 @@ from bucketfs.private import UnsafePath
 log = logging.getLogger(__name__)
 
 MAGIC = b"BFSB1\n"
+#: Blocks smaller than this that the write-through stores together go into one chunk
+#: file of at most `WRITE_THROUGH_CHUNK` bytes: creating, naming and flushing a file
+#: per ~100 KB block was a third of a cold file's CPU (docs/BENCHMARKS.md); a larger
+#: block is a file of its own.
+CHUNKED_BELOW = 1 << 20
+WRITE_THROUGH_CHUNK = 4 << 20
 _HEADER = struct.Struct("<IQI")  # entry-name length, data length, crc32
 
 __all__ = ["CacheDirError", "CacheDirUnwritable", "DiskTier", "block_file_name"]
@@ -203,10 +214,11 @@ class DiskTier(OpensDirectory):
         return None
 
     def packed_layout(self, block: BlockId) -> bytes | None:
-        """The layout tag of the chunk holding the block, None if it is not packed."""
+        """The layout tag of the chunk holding the block, None if no order laid it out
+        (a block file, or a write-through chunk)."""
         value = self.index.get(ENTRY + self._entry(block))
         packed = None if value is None else schema.decode_packed(value)
-        return None if packed is None else packed.layout
+        return None if packed is None or packed.layout == WRITE_THROUGH else packed.layout
 
     def _referenced(self, entry: bytes) -> None:
         # Read again under the lock: it may have been evicted or ranked anew meanwhile.
@@ -311,19 +323,54 @@ class DiskTier(OpensDirectory):
         return self.put_many([(block, data, cost)]) == 1
 
     def put_many(self, blocks: Sequence[tuple[BlockId, bytes, float]]) -> int:
-        """Store blocks durably, with one flush of the device for all of them (the
-        budget's steps of `store`, for a batch); how many are stored (already stored
-        counts)."""
+        """Store blocks durably; how many are stored (already stored counts). Small
+        blocks of a batch go into write-through chunks (one file and one flush for up
+        to `WRITE_THROUGH_CHUNK` bytes of them) unless hinted orders are choosing what
+        the tier keeps, which they do block by block; the others are block files, with
+        one flush of the device for all of them."""
         if not self.writable:
             return 0
+        if self.hinted is not None and self.hinted.plans():
+            return self._put_files(blocks)
+        # A chunk is evicted whole: small next to the budget.
+        limit = min(WRITE_THROUGH_CHUNK, self.capacity // 16)
+        groups: list[list[tuple[BlockId, bytes, float]]] = [[]]
+        alone, size = [], 0
+        for item in blocks:
+            if len(item[1]) >= CHUNKED_BELOW:
+                alone.append(item)
+                continue
+            if size + len(item[1]) > limit and groups[-1]:
+                groups.append([])
+                size = 0
+            groups[-1].append(item)
+            size += len(item[1])
+        stored = 0
+        for group in groups:
+            if len(group) < 2:
+                alone += group
+                continue
+            members = [(self._entry(b), d, c) for b, d, c in group]
+            for entry, data, _ in members:
+                self._check_length(entry, data)
+            stored += self.chunks.write_through(members)
+        return stored + (self._put_files(alone) if alone else 0)
+
+    @staticmethod
+    def _check_length(entry: bytes, data: bytes) -> None:
+        if len(data) != schema.entry_length(entry):
+            raise ValueError(f"{len(data)} bytes for a block of "
+                             f"{schema.entry_length(entry)}")
+
+    def _put_files(self, blocks: Sequence[tuple[BlockId, bytes, float]]) -> int:
+        """Store blocks as block files, with one flush of the device for all of them
+        (the budget's steps of `store`, for a batch)."""
         stored, planned = 0, []
         try:
             with self.lock:
                 for block, data, cost in blocks:
                     entry = self._entry(block)
-                    if len(data) != schema.entry_length(entry):
-                        raise ValueError(f"{len(data)} bytes for a block of "
-                                         f"{schema.entry_length(entry)}")
+                    self._check_length(entry, data)
                     if entry in self.writing or self.index.get(ENTRY + entry) is not None:
                         stored += 1
                         continue
@@ -399,9 +446,7 @@ class DiskTier(OpensDirectory):
         """Pack these blocks, in this order, into one chunk file (chunks.py)."""
         members = [(self._entry(b), d, c) for b, d, c in blocks]
         for entry, data, _ in members:
-            if len(data) != schema.entry_length(entry):
-                raise ValueError(f"{len(data)} bytes for a block of "
-                                 f"{schema.entry_length(entry)}")
+            self._check_length(entry, data)
         return self.chunks.write(members, layout)
 
     # --- eviction -----------------------------------------------------------------------

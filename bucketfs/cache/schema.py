@@ -107,6 +107,9 @@ def entry_length(name: bytes) -> int | None:
 _BLOCK = struct.Struct("<QId")  # data length, crc32, cost; then the eviction state
 _PACKED = struct.Struct("<cQQQId8s")  # b"P", chunk, offset, length, crc32, cost, layout
 LAYOUT_BYTES = 8
+#: The layout tag of a chunk the write-through made of blocks as they were fetched (a
+#: packer's tags are 8 bytes of a BLAKE2b digest of an order): no order laid it out.
+WRITE_THROUGH = b"\0" * LAYOUT_BYTES
 # A block record is 20 + 8k bytes and a packed one 45: the two kinds never clash, and a
 # lookup stays one point read.
 assert _PACKED.size % 8 != _BLOCK.size % 8

@@ -1,0 +1,206 @@
+"""The write-through's chunks (DiskTier.put_many, ChunkStore.write_through): a batch of
+small fetched blocks is one chunk file, not a file per block; what the tier holds
+already stays where it is; the budget, a crash and damage are handled as for packed
+chunks; packing by a hinted order still moves them; hinted eviction keeps its choice
+block by block."""
+
+from __future__ import annotations
+
+import pytest
+
+from bucketfs.cache import chunks
+from bucketfs.cache.chunk_files import DATA_START
+from bucketfs.cache.disk import DiskTier
+from bucketfs.cache.hinted_victims import HintedVictims
+from bucketfs.cache.schema import WRITE_THROUGH
+from bucketfs.prefetch.eviction import make_policy
+from tests.test_chunks import (
+    LAYOUT_A,
+    NS,
+    KiB,
+    MiB,
+    as_if_crashed,
+    block_files,
+    chunk_files,
+    files,
+    forget_reads,
+    open_tier,
+    pack,
+    totals,
+)
+
+
+def batch(blocks, cost: float = 0.01):
+    return [(b, d, cost) for b, d in blocks.items()]
+
+
+def test_a_batch_of_small_blocks_is_one_chunk_file(tmp_path):
+    directory = tmp_path / "cache"
+    blocks = files(8)
+    disk = open_tier(directory)
+    assert disk.put_many(batch(blocks)) == 8
+    assert not block_files(directory) and len(chunk_files(directory)) == 1
+    size = sum(map(len, blocks.values()))
+    assert totals(disk) == (size, 1, size, size)
+    forget_reads(disk)
+    for block, data in blocks.items():
+        assert disk.get(block)[:2] == (data, 0.01)
+        assert disk.packed_layout(block) is None  # no order laid it out
+    assert disk.put_many(batch(blocks)) == 8  # all there already: nothing written
+    assert len(chunk_files(directory)) == 1 and disk.used == size
+    disk.close()
+
+
+def test_a_lone_block_and_a_large_block_are_files_of_their_own(tmp_path):
+    directory = tmp_path / "cache"
+    disk = open_tier(directory)
+    (lone, data), = files(1).items()
+    assert disk.put_many([(lone, data, 0.01)]) == 1
+    large = {**files(1, seed=1, size=MiB), **files(1, seed=2, size=MiB)}  # 1 MiB blocks
+    assert disk.put_many(batch(large)) == 2
+    assert len(block_files(directory)) == 3 and not chunk_files(directory)
+    disk.close()
+
+
+def test_what_the_tier_holds_stays_where_it_is(tmp_path):
+    directory = tmp_path / "cache"
+    blocks = files(6)
+    ordered = list(blocks)
+    disk = open_tier(directory)
+    assert disk.put(ordered[0], blocks[ordered[0]], 0.01)  # a block file
+    assert pack(disk, {b: blocks[b] for b in ordered[1:3]})  # packed by an order
+    assert disk.put_many(batch(blocks)) == 6
+    assert len(block_files(directory)) == 1 and len(chunk_files(directory)) == 2
+    assert [disk.packed_layout(b) for b in ordered] == [None, LAYOUT_A, LAYOUT_A,
+                                                        None, None, None]
+    assert disk.used == sum(map(len, blocks.values()))  # nothing stored twice
+    disk.close()
+
+
+def test_a_member_stored_meanwhile_is_dead_bytes_not_a_second_record(tmp_path,
+                                                                     monkeypatch):
+    """A flush at unmount may store a block while the write-through's chunk holding it
+    is being written: the chunk leaves that member out of its records."""
+    directory = tmp_path / "cache"
+    blocks = files(4)
+    ordered = list(blocks)
+    disk = open_tier(directory)
+    real = chunks.write_chunk_file
+
+    def stored_meanwhile(path, chunk, parts):
+        real(path, chunk, parts)
+        disk._put_files([(ordered[1], blocks[ordered[1]], 0.01)])
+
+    monkeypatch.setattr(chunks, "write_chunk_file", stored_meanwhile)
+    assert disk.put_many(batch(blocks)) == 3
+    monkeypatch.undo()
+    size = sum(map(len, blocks.values()))
+    # The block file counts once; the chunk's copy is dead bytes until the chunk goes.
+    assert disk.chunks.live_bytes == size - len(blocks[ordered[1]])
+    assert disk.used == size + len(blocks[ordered[1]])
+    assert disk.packed_layout(ordered[1]) is None and len(block_files(directory)) == 1
+    forget_reads(disk)
+    for block, data in blocks.items():
+        assert disk.get(block)[:2] == (data, 0.01)
+    disk.close()
+
+
+def test_chunks_stay_small_next_to_the_budget(tmp_path):
+    directory = tmp_path / "cache"
+    disk = open_tier(directory, capacity=8 * MiB, policy="lru")
+    written = []
+    for seed in range(4):  # 4 x ~2.6 MiB into 8 MiB: chunks of at most 512 KiB
+        blocks = files(24, seed)
+        disk.put_many(batch(blocks))
+        written.append(blocks)
+        assert disk.used <= disk.capacity
+    assert disk.evictions > 0 and not block_files(directory)
+    assert all(path.stat().st_size <= DATA_START + 512 * KiB
+               for path in chunk_files(directory))
+    assert all(disk.holds(b) for b in written[-1])  # the newest are kept
+    assert disk.used == disk.chunks.data_bytes
+    disk.close()
+
+
+@pytest.mark.parametrize("crashed", [False, True])
+def test_reopen_finds_the_same_after_a_clean_close_or_a_crash(tmp_path, crashed):
+    directory = tmp_path / "cache"
+    blocks = files(10)
+    disk = open_tier(directory)
+    assert disk.put_many(batch(blocks)) == 10
+    before = totals(disk)
+    disk.close()
+    if crashed:
+        as_if_crashed(directory)
+    again = open_tier(directory)
+    assert totals(again) == before
+    for block, data in blocks.items():
+        assert again.get(block)[:2] == (data, 0.01)
+    again.close()
+
+
+def test_damage_is_a_miss_never_wrong_bytes(tmp_path):
+    directory = tmp_path / "cache"
+    blocks = files(4)
+    ordered = list(blocks)
+    disk = open_tier(directory)
+    assert disk.put_many(batch(blocks)) == 4
+    (path,) = chunk_files(directory)
+    raw = bytearray(path.read_bytes())
+    raw[DATA_START + len(blocks[ordered[0]]) + 5] ^= 0xFF  # a bit of the second member
+    path.write_bytes(bytes(raw))
+    forget_reads(disk)
+    assert disk.get(ordered[1]) is None and not disk.holds(ordered[1])
+    assert all(disk.get(b)[:2] == (blocks[b], 0.01) for b in ordered if b != ordered[1])
+    disk.close()
+
+
+def test_reading_the_first_member_reads_nothing_ahead_reading_on_does(tmp_path):
+    """Blocks are in the order they were fetched: a read at the start of the chunk says
+    nothing of the next member (a packed chunk's first read starts a pass); a read
+    that continues where the last one stopped does."""
+    blocks = files(4)
+    ordered = list(blocks)
+    disk = open_tier(tmp_path / "cache")
+    assert disk.put_many(batch(blocks)) == 4
+    forget_reads(disk)
+    assert disk.get(ordered[0], 10 * MiB)[2] == []
+    assert [b for b, _, _ in disk.get(ordered[1], 10 * MiB)[2]] == ordered[2:]
+    disk.close()
+
+
+def test_packing_by_an_order_moves_members_and_frees_the_emptied_chunk(tmp_path):
+    directory = tmp_path / "cache"
+    blocks = files(6)
+    disk = open_tier(directory)
+    assert disk.put_many(batch(blocks)) == 6
+    (through,) = chunk_files(directory)
+    assert pack(disk, blocks)
+    assert not through.exists() and len(chunk_files(directory)) == 1
+    assert all(disk.packed_layout(b) == LAYOUT_A for b in blocks)
+    size = sum(map(len, blocks.values()))
+    assert totals(disk) == (size, 1, size, size)
+    disk.close()
+
+
+def test_the_write_through_tag_is_not_a_layout(tmp_path):
+    disk = open_tier(tmp_path / "cache")
+    with pytest.raises(ValueError):
+        pack(disk, files(2), WRITE_THROUGH)
+    disk.close()
+
+
+def test_while_orders_are_hinted_blocks_are_kept_or_declined_one_by_one(tmp_path):
+    """Hinted eviction weighs each block's next use against its victim: a chunk would
+    make that choice for all of its members at once, so the batch stays block files."""
+    directory = tmp_path / "cache"
+    plans: list[object] = []
+    hinted = HintedVictims(lambda key: None, lambda: plans)
+    disk = DiskTier(directory, 64 * MiB, make_policy("cost-lrfu"), source=NS,
+                    block_size=MiB, hinted=hinted)
+    assert disk.put_many(batch(files(3))) == 3
+    assert len(chunk_files(directory)) == 1
+    plans.append(object())  # a job sent its order
+    assert disk.put_many(batch(files(3, seed=1))) == 3
+    assert len(chunk_files(directory)) == 1 and len(block_files(directory)) == 3
+    disk.close()
