@@ -3,13 +3,15 @@
     python -m bench.packing [--files 2000] [--rounds 5] [--threads 1] [--next-epoch]
 
 Makes a file:// bucket of FILES files of 80-140 KB, fills two cache directories (one
-with a hinted order, so its files are packed into chunks; one without), then, ROUNDS
+with a hinted order, so its files are packed into chunks; one without, where the
+write-through stores them in chunks in the order they were fetched), then, ROUNDS
 times and alternating the two so drift hits both alike: mount, drop the page cache,
 read every file in the hinted order with THREADS threads, and time it. Every round
 must make 0 GETs (the cache serves everything). Needs root (drop_caches, FUSE).
 
 With --next-epoch the timed epoch is the next one, in another shuffled order, and
-three caches are filled by reading the hinted epoch: block files; packed in that
+three caches are filled by reading the hinted epoch: without hints (write-through
+chunks in fetch order); packed in that
 epoch's read order (the daemon's guess when the next order is unknown); packed in the
 next epoch's order, announced while the hinted epoch was read (`send_next_order`, as
 HintSampler does for a DistributedSampler).
@@ -70,7 +72,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--next-epoch", action="store_true",
-                        help="time a shuffled next epoch: block files, packed in the read "
+                        help="time a shuffled next epoch: no hints, packed in the read "
                              "order, packed in the announced next order")
     args = parser.parse_args()
     N, ROUNDS, THREADS, NEXT_EPOCH = args.files, args.rounds, args.threads, args.next_epoch
@@ -100,13 +102,13 @@ def run() -> None:
     url = f"file://{bucket}"
     port = free_ports(1)[0]
     setups = {}
-    names = ("block-files", "read-order", "next-order") if NEXT_EPOCH \
-        else ("block-files", "packed")
+    names = ("no-hints", "read-order", "next-order") if NEXT_EPOCH \
+        else ("no-hints", "packed")
     for name in names:
         cache = BASE / f"cache-{name}"
         args = ("--cache-dir", str(cache), "--disk-free-floor", "0", "--metrics-port", str(port))
         with mounted(url, BASE / "mnt", *args) as mnt:
-            if name != "block-files":
+            if name != "no-hints":
                 send_order([str(mnt / k) for k in order], epoch=0, job="bench", strict=True,
                            next_follows=name == "next-order")
                 wait(port, lambda v: v.get("bucketfs_hints_files", 0) > 0)
@@ -114,7 +116,7 @@ def run() -> None:
                 send_next_order([str(mnt / k) for k in timed], epoch=1, job="bench",
                                 strict=True)
             read_all(mnt, order)
-            if name != "block-files":
+            if name != "no-hints":
                 # The next epoch starts: what is left of this one's layout is packed.
                 send_order([str(mnt / k) for k in timed], epoch=1, job="bench", strict=True)
                 v = wait(port, lambda v: v["bucketfs_cache_ssd_packed_bytes"] == total)
