@@ -65,6 +65,14 @@ class Harness:
 
         trio.run(main)
 
+    @staticmethod
+    async def written_through(cache: BlockCache) -> None:
+        """Wait until the write-through has written everything it was given (it waits
+        up to 20 ms to gather a batch)."""
+        with trio.fail_after(5):
+            while cache.queued:
+                await trio.sleep(0.005)
+
     async def read_all(self, cache: BlockCache, keys=None) -> None:
         for key in keys or sorted(self.backend.objects):
             ref = self.ref(key)
@@ -153,6 +161,7 @@ def test_ssd_budget_holds_under_twice_its_size(tmp_path):
     async def body(cache):
         for _ in range(2):
             await h.read_all(cache)
+        await h.written_through(cache)
         assert cache.disk.evictions > 0 and cache.ram.evictions > 0
 
     h.run(body)
@@ -338,9 +347,7 @@ def test_write_through_gathers_cold_reads_into_batches(tmp_path, monkeypatch):
         for key in sorted(objects):
             assert await cache.get(h.ref(key), 0) == objects[key]
             await trio.sleep(0.001)
-        with trio.fail_after(5):  # all written before the flush at the end
-            while cache.queued:
-                await trio.sleep(0.005)
+        await h.written_through(cache)  # all written before the flush at the end
         nonlocal flushing
         flushing = True  # the flush at unmount offers what RAM holds once more
 

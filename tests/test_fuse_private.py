@@ -143,7 +143,8 @@ def test_a_more_open_cache_directory_gets_a_warning_and_private_insides(open_bas
         assert len(warnings) == 1 and "chmod 700" in warnings[0], result.stderr
         for sub in ("data", "index", "chunks"):
             assert stat.S_IMODE((cache / sub).stat().st_mode) == 0o700
-        inside = {p.name: str(p) for p in (cache / "data").rglob("*.blk")}
+        inside = {p.name: str(p) for p in [*(cache / "data").rglob("*.blk"),
+                                            *(cache / "chunks").glob("*.chk")]}
         assert inside and set(as_nobody(inside).values()) == {"PermissionError"}
     finally:
         bucketfs("umount", str(mountpoint))

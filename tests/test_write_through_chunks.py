@@ -56,9 +56,11 @@ def test_a_lone_block_and_a_large_block_are_files_of_their_own(tmp_path):
     disk = open_tier(directory)
     (lone, data), = files(1).items()
     assert disk.put_many([(lone, data, 0.01)]) == 1
+    (twice, again), = files(1, seed=3).items()  # the unmount's flush: queue and RAM
+    assert disk.put_many([(twice, again, 0.01), (twice, again, 0.01)]) == 1
     large = {**files(1, seed=1, size=MiB), **files(1, seed=2, size=MiB)}  # 1 MiB blocks
     assert disk.put_many(batch(large)) == 2
-    assert len(block_files(directory)) == 3 and not chunk_files(directory)
+    assert len(block_files(directory)) == 4 and not chunk_files(directory)
     disk.close()
 
 

@@ -415,7 +415,7 @@ class ChunkStore:
             # indexes the chunk: a re-layout needs room only for what is new here,
             # and only what is new is weighed against what it would evict.
             stored = {e for e, _, _ in kept
-                      if _block_record(space.index.get(ENTRY + e))}
+                      if replace and _block_record(space.index.get(ENTRY + e))}
             new = [(e, d) for e, d, _ in kept if e not in stored]
             chunk = self.next_id
             self.next_id += 1

@@ -332,6 +332,8 @@ class DiskTier(OpensDirectory):
             return 0
         if self.hinted is not None and self.hinted.plans():
             return self._put_files(blocks)
+        # The unmount's flush offers a block both from the write queue and from RAM.
+        blocks = list({b: (b, d, c) for b, d, c in blocks}.values())
         # A chunk is evicted whole: small next to the budget.
         limit = min(WRITE_THROUGH_CHUNK, self.capacity // 16)
         groups: list[list[tuple[BlockId, bytes, float]]] = [[]]
