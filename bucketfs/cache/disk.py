@@ -73,9 +73,10 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"BFSB1\n"
 #: Blocks smaller than this that the write-through stores together go into one chunk
-#: file of at most `WRITE_THROUGH_CHUNK` bytes: creating, naming and flushing a file
-#: per ~100 KB block was a third of a cold file's CPU (docs/BENCHMARKS.md); a larger
-#: block is a file of its own.
+#: file of at most `WRITE_THROUGH_CHUNK` bytes: a file per ~100 KB block cost an inode,
+#: a create and a rename to write, and an open and a close to read; a member of an open
+#: chunk is one pread (an epoch served from SSD: -13% CPU per file, docs/BENCHMARKS.md,
+#: step 11). A larger block is a file of its own.
 CHUNKED_BELOW = 1 << 20
 WRITE_THROUGH_CHUNK = 4 << 20
 _HEADER = struct.Struct("<IQI")  # entry-name length, data length, crc32
