@@ -388,7 +388,7 @@ class ChunkStore:
     def _write(self, members: Sequence[tuple[bytes, bytes, float]], layout: bytes, *,
                replace: bool) -> int | None:
         """`write` (`replace`: move entries stored otherwise here) or `write_through`;
-        how many members are in place afterwards, None if nothing was stored."""
+        how many members the tier holds afterwards, None if nothing was stored."""
         space = self.space
         unique: dict[bytes, tuple[bytes, float]] = {}
         for entry, data, cost in members:
@@ -396,7 +396,7 @@ class ChunkStore:
                 unique.setdefault(entry, (data, cost))
         if not space.writable or not unique:
             return None
-        chunk, kept, indexed = -1, [], 0
+        chunk, kept = -1, []
 
         def decide() -> Decision:  # lock held
             nonlocal chunk, kept
@@ -429,16 +429,13 @@ class ChunkStore:
             write_chunk_file(reservation.path, chunk, [d for _, d, _ in kept])
 
         def index(reservation: Reservation) -> int:  # lock held
-            nonlocal indexed
-            indexed = self._index(chunk, kept, layout, reservation.size, replace)
-            if indexed:
+            if self._index(chunk, kept, layout, reservation.size, replace):
                 return 0
             reservation.path.unlink(missing_ok=True)  # all stored meanwhile elsewhere
             return reservation.size
 
-        if not space.store(decide, write, index):
-            return None
-        return len(unique) - len(kept) + indexed
+        # Stored: each member is here, or was stored meanwhile by another write.
+        return len(unique) if space.store(decide, write, index) else None
 
     def _laid_out(self, entry: bytes, layout: bytes) -> bool:  # lock held
         value = self.space.index.get(ENTRY + entry)
