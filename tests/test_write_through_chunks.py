@@ -6,6 +6,8 @@ block by block."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bucketfs.cache import chunks
@@ -34,18 +36,28 @@ def batch(blocks, cost: float = 0.01):
     return [(b, d, cost) for b, d in blocks.items()]
 
 
-def test_a_batch_of_small_blocks_is_one_chunk_file(tmp_path):
+def fresh_tier(tmp_path: Path, count: int):
+    """An empty SSD tier, its directory, and `count` small files for it (also as a list
+    of their blocks in order)."""
     directory = tmp_path / "cache"
-    blocks = files(8)
-    disk = open_tier(directory)
+    blocks = files(count)
+    return directory, blocks, list(blocks), open_tier(directory)
+
+
+def serves(disk, blocks) -> bool:
+    """Whether the tier gives every block back exact, with its cost."""
+    return all(disk.get(block)[:2] == (data, 0.01) for block, data in blocks.items())
+
+
+def test_a_batch_of_small_blocks_is_one_chunk_file(tmp_path):
+    directory, blocks, _, disk = fresh_tier(tmp_path, 8)
     assert disk.put_many(batch(blocks)) == 8
     assert not block_files(directory) and len(chunk_files(directory)) == 1
     size = sum(map(len, blocks.values()))
     assert totals(disk) == (size, 1, size, size)
     forget_reads(disk)
-    for block, data in blocks.items():
-        assert disk.get(block)[:2] == (data, 0.01)
-        assert disk.packed_layout(block) is None  # no order laid it out
+    assert serves(disk, blocks)
+    assert all(disk.packed_layout(b) is None for b in blocks)  # no order laid it out
     assert disk.put_many(batch(blocks)) == 8  # all there already: nothing written
     assert len(chunk_files(directory)) == 1 and disk.used == size
     disk.close()
@@ -65,10 +77,7 @@ def test_a_lone_block_and_a_large_block_are_files_of_their_own(tmp_path):
 
 
 def test_what_the_tier_holds_stays_where_it_is(tmp_path):
-    directory = tmp_path / "cache"
-    blocks = files(6)
-    ordered = list(blocks)
-    disk = open_tier(directory)
+    directory, blocks, ordered, disk = fresh_tier(tmp_path, 6)
     assert disk.put(ordered[0], blocks[ordered[0]], 0.01)  # a block file
     assert pack(disk, {b: blocks[b] for b in ordered[1:3]})  # packed by an order
     assert disk.put_many(batch(blocks)) == 6
@@ -83,10 +92,7 @@ def test_a_member_stored_meanwhile_is_dead_bytes_not_a_second_record(tmp_path,
                                                                      monkeypatch):
     """A flush at unmount may store a block while the write-through's chunk holding it
     is being written: the chunk leaves that member out of its records."""
-    directory = tmp_path / "cache"
-    blocks = files(4)
-    ordered = list(blocks)
-    disk = open_tier(directory)
+    directory, blocks, ordered, disk = fresh_tier(tmp_path, 4)
     real = chunks.write_chunk_file
 
     def stored_meanwhile(path, chunk, parts):
@@ -102,8 +108,7 @@ def test_a_member_stored_meanwhile_is_dead_bytes_not_a_second_record(tmp_path,
     assert disk.used == size + len(blocks[ordered[1]])
     assert disk.packed_layout(ordered[1]) is None and len(block_files(directory)) == 1
     forget_reads(disk)
-    for block, data in blocks.items():
-        assert disk.get(block)[:2] == (data, 0.01)
+    assert serves(disk, blocks)
     disk.close()
 
 
@@ -126,9 +131,7 @@ def test_chunks_stay_small_next_to_the_budget(tmp_path):
 
 @pytest.mark.parametrize("crashed", [False, True])
 def test_reopen_finds_the_same_after_a_clean_close_or_a_crash(tmp_path, crashed):
-    directory = tmp_path / "cache"
-    blocks = files(10)
-    disk = open_tier(directory)
+    directory, blocks, _, disk = fresh_tier(tmp_path, 10)
     assert disk.put_many(batch(blocks)) == 10
     before = totals(disk)
     disk.close()
@@ -136,16 +139,12 @@ def test_reopen_finds_the_same_after_a_clean_close_or_a_crash(tmp_path, crashed)
         as_if_crashed(directory)
     again = open_tier(directory)
     assert totals(again) == before
-    for block, data in blocks.items():
-        assert again.get(block)[:2] == (data, 0.01)
+    assert serves(again, blocks)
     again.close()
 
 
 def test_damage_is_a_miss_never_wrong_bytes(tmp_path):
-    directory = tmp_path / "cache"
-    blocks = files(4)
-    ordered = list(blocks)
-    disk = open_tier(directory)
+    directory, blocks, ordered, disk = fresh_tier(tmp_path, 4)
     assert disk.put_many(batch(blocks)) == 4
     (path,) = chunk_files(directory)
     raw = bytearray(path.read_bytes())
@@ -172,9 +171,7 @@ def test_reading_the_first_member_reads_nothing_ahead_reading_on_does(tmp_path):
 
 
 def test_packing_by_an_order_moves_members_and_frees_the_emptied_chunk(tmp_path):
-    directory = tmp_path / "cache"
-    blocks = files(6)
-    disk = open_tier(directory)
+    directory, blocks, _, disk = fresh_tier(tmp_path, 6)
     assert disk.put_many(batch(blocks)) == 6
     (through,) = chunk_files(directory)
     assert pack(disk, blocks)

@@ -353,10 +353,7 @@ class DiskTier(OpensDirectory):
             if len(group) < 2:
                 alone += group
                 continue
-            members = [(self._entry(b), d, c) for b, d, c in group]
-            for entry, data, _ in members:
-                self._check_length(entry, data)
-            stored += self.chunks.write_through(members)
+            stored += self.chunks.write_through(self._members(group))
         return stored + (self._put_files(alone) if alone else 0)
 
     @staticmethod
@@ -364,6 +361,15 @@ class DiskTier(OpensDirectory):
         if len(data) != schema.entry_length(entry):
             raise ValueError(f"{len(data)} bytes for a block of "
                              f"{schema.entry_length(entry)}")
+
+    def _members(self, blocks: Sequence[tuple[BlockId, bytes, float]],
+                 ) -> list[tuple[bytes, bytes, float]]:
+        """(entry, bytes, cost) of blocks going into a chunk; ValueError for bytes
+        that are not the block's length."""
+        members = [(self._entry(b), d, c) for b, d, c in blocks]
+        for entry, data, _ in members:
+            self._check_length(entry, data)
+        return members
 
     def _put_files(self, blocks: Sequence[tuple[BlockId, bytes, float]]) -> int:
         """Store blocks as block files, with one flush of the device for all of them
@@ -447,10 +453,7 @@ class DiskTier(OpensDirectory):
 
     def write_chunk(self, blocks: list[tuple[BlockId, bytes, float]], layout: bytes) -> bool:
         """Pack these blocks, in this order, into one chunk file (chunks.py)."""
-        members = [(self._entry(b), d, c) for b, d, c in blocks]
-        for entry, data, _ in members:
-            self._check_length(entry, data)
-        return self.chunks.write(members, layout)
+        return self.chunks.write(self._members(blocks), layout)
 
     # --- eviction -----------------------------------------------------------------------
 
