@@ -43,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.fresh_memory import touch
 from bench.harness.procstats import cpu_seconds
 from bucketfs.hints.client import Target
 from bucketfs.hints.control import status
@@ -68,27 +69,13 @@ def drop_page_cache() -> None:
 
 
 def back_memory(gib: int) -> float:
-    """Touch GIB of fresh anonymous memory and free it; returns the CPU it took.
-
-    On a VM that hands free memory back to its host (virtio-balloon free page
-    reporting, as on the machine these figures come from), the first touch of a page
-    the host took back costs the guest up to ~8x a plain fault, charged to whichever
-    process touches it. A large read through the daemon needs fresh memory three times
-    over (its RAM tier, the SSD file's page cache, the reader's page cache), where a GET
-    client that frees each buffer reuses its own; so the large-object rows are taken
-    once as the VM gives memory and once right after this has backed it."""
-    import mmap  # only here: the rest of the benchmark has no use for it
-
-    began = self_cpu()
-    size, step = gib * GiB, 64 * MiB
-    ones = b"\1" * step
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        for offset in range(0, size, step):
-            region[offset:offset + step] = ones
-    finally:
-        region.close()
-    return self_cpu() - began
+    """Touch GIB of fresh memory and free it, so that the host backs it again; returns
+    the CPU it took. On a VM whose host takes freed pages back, the first touch of such
+    a page costs several times a plain fault (`bench.fresh_memory` measures it), and a
+    large read through the daemon needs fresh memory three times over (its RAM tier,
+    the SSD file's page cache, the reader's page cache), where a GET client that frees
+    each buffer reuses its own. So the large-object row is taken both ways."""
+    return sum(touch(gib))
 
 
 def make_dataset(server: S3Server, files: int, file_kb: int, large_mib: int,
