@@ -345,9 +345,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 with Mount(server, work_dir / "large", [*ram, "--cache-dir", str(cache_dir)],
                            prefix="large") as mnt:
                     drop_page_cache()
-                    row = {"memory backed first": backed}
+                    row = {"memory_backed_first": backed}
                     if backed:
-                        row["backing cpu_s"] = back_memory(3 * -(-args.large_mib // 1024) + 1)
+                        row["backing_cpu_s"] = back_memory(3 * -(-args.large_mib // 1024) + 1)
                     with Profiler(profile if backed else None, mnt.pid, "large"):
                         large_rows.append(mnt.dd(large.removeprefix("large/")) | row)
             base = obstore_large(server, large, args.large_mib * MiB)
@@ -380,7 +380,7 @@ def report(results: dict[str, Any]) -> str:
     if results.get("large"):
         lines += ["", "| large object | MB/s | CPU-s per GiB |", "| --- | ---: | ---: |"]
         for row in results["large"]:
-            backed = ", memory backed first" if row.get("memory backed first") else ""
+            backed = ", memory backed first" if row.get("memory_backed_first") else ""
             lines.append(f"| {row['reader']}{backed} | {row['mb_per_s']:.0f} "
                          f"| {row['cpu_s_per_gib']:.2f} |")
     lines += ["", "| readers | cold files/s | cold MB/s | cold CPU/file | cold CPU-s/GiB "
