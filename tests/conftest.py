@@ -78,3 +78,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(needs_root)
         elif "fuse" in item.keywords and not fuse:
             item.add_marker(needs_fuse)
+
+
+@pytest.fixture
+def one_file_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block the SSD tier stores is a file of its own: none counts as small
+    enough to share a write-through chunk (as with large blocks, or while hints choose
+    what is kept). For tests about block files themselves."""
+    monkeypatch.setattr("bucketfs.cache.disk.CHUNKED_BELOW", 0)

@@ -346,7 +346,8 @@ def check_cache(cache: Path, budget: int | None) -> CacheFacts:
     return facts
 
 
-def _open_index(cache: Path) -> Rdict:
+def open_index(cache: Path) -> Rdict:
+    """The cache's index, read-only (its log kept out of the cache directory)."""
     options = Options(raw_mode=True)
     options.set_db_log_dir(str(cache.parent))  # not into the cache directory
     return Rdict(str(cache / "index"), options, access_type=AccessType.read_only())
@@ -363,7 +364,7 @@ def _index_facts(cache: Path) -> CacheFacts:
     """The invariants a clean close leaves: the saved totals are the records' sums,
     every record's file exists and every file has its record, a chunk's live bytes are
     its members', each entry and chunk has one place in the eviction order."""
-    index = _open_index(cache)
+    index = open_index(cache)
     try:
         saved = index.get(STATE_KEY)
         assert saved is not None, "no totals saved: the last unmount was not clean"

@@ -21,6 +21,7 @@ from bucketfs.cache.schema import STATE_KEY, entry_block, entry_name
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.prefetch.eviction import make_policy
 from tests.membackend import MemoryBackend
+from tests.test_chunks import cache_files
 
 KiB, MiB = 1024, 1024**2
 BLOCK = 256 * KiB
@@ -169,19 +170,7 @@ def test_ssd_budget_holds_under_twice_its_size(tmp_path):
     assert on_disk <= 3 * MiB + 60 * 200  # headers are small and not counted as data
 
 
-@pytest.fixture
-def block_files(monkeypatch):
-    """Every block a file of its own: no block counts as small enough to share a
-    write-through chunk (as with large blocks, or while hints choose what is kept)."""
-    monkeypatch.setattr("bucketfs.cache.disk.CHUNKED_BELOW", 0)
-
-
-def cache_files(directory: Path) -> list[Path]:
-    """The block files and chunk files of an SSD tier."""
-    return sorted([*(directory / "data").rglob("*.blk"), *(directory / "chunks").glob("*.chk")])
-
-
-def test_damaged_or_foreign_block_files_are_misses_not_data(tmp_path, block_files):
+def test_damaged_or_foreign_block_files_are_misses_not_data(tmp_path, one_file_per_block):
     objects = dataset(4)
     h = Harness(objects, ram=1, disk=64 * MiB, directory=tmp_path / "cache")
     h.run(h.read_all)

@@ -58,6 +58,11 @@ def block_files(directory: Path) -> list[Path]:
     return sorted((directory / "data").rglob("*.blk"))
 
 
+def cache_files(directory: Path) -> list[Path]:
+    """The block files and chunk files of an SSD tier."""
+    return sorted([*block_files(directory), *chunk_files(directory)])
+
+
 def forget_reads(disk: DiskTier) -> None:
     """Close the open chunk files and forget the passes: the next read goes to disk."""
     disk.chunks._files.close()

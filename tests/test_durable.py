@@ -62,11 +62,8 @@ def test_without_syncfs_each_file_is_fsynced(tmp_path, monkeypatch):
     assert [p.read_bytes() for p, _ in files] == [b"x" * i for i in range(5)]
 
 
-@pytest.fixture(autouse=True)
-def block_files(monkeypatch):
-    """These are the block files' batches: no block is small enough to share a
-    write-through chunk (tests/test_write_through_chunks.py has those)."""
-    monkeypatch.setattr("bucketfs.cache.disk.CHUNKED_BELOW", 0)
+# These are the block files' batches (tests/test_write_through_chunks.py has the chunks).
+pytestmark = pytest.mark.usefixtures("one_file_per_block")
 
 
 def tier(directory: Path, capacity: int) -> DiskTier:

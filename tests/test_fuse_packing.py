@@ -15,13 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from rocksdict import AccessType, Options, Rdict
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision.datasets import DatasetFolder
 
 from bucketfs.hints import HintSampler, send_order
 from bucketfs.packer import layout_tag
 from bucketfs.runtime import state_dir
+from tests.crashing import open_index
 from tests.mounting import bucketfs, drop_page_cache, force_unmount, mounted
 from tests.servers import free_ports
 from tests.test_fuse_hints import metrics
@@ -45,6 +45,15 @@ def bucket(tmp_path_factory) -> tuple[str, dict[str, bytes]]:
         (root / key).write_bytes(data)
     return f"file://{root}", files
 
+
+
+def indexed_chunks(cache: Path) -> list:
+    """`chunk_layouts` of the cache's index, read after its mount is gone."""
+    index = open_index(cache)
+    try:
+        return chunk_layouts(index)
+    finally:
+        index.close()
 
 def wait_for(port: int, ready: Callable[[dict[str, float]], bool],
              timeout: float = 20) -> dict[str, float]:
@@ -148,13 +157,7 @@ def test_an_epoch_is_laid_out_in_the_order_the_sampler_will_read_next(bucket, tm
         packed = wait_for(port, lambda v: v["bucketfs_cache_ssd_packed_bytes"] == total)
         assert packed["bucketfs_cache_ssd_packed_bytes"] == total
         assert packed["bucketfs_hints_orders_total"] == 1  # the announcement is not one
-    options = Options(raw_mode=True)
-    options.set_db_log_dir(str(tmp_path))
-    index = Rdict(str(cache / "index"), options, access_type=AccessType.read_only())
-    try:
-        chunks = chunk_layouts(index)
-    finally:
-        index.close()
+    chunks = indexed_chunks(cache)
     assert sorted(key for _, members in chunks for key in members) == sorted(files)
     assert follows(chunks, epoch_1), "each chunk holds a run of epoch 1's order"
     assert not follows(chunks, epoch_0)
@@ -213,12 +216,6 @@ def test_kill_9_while_packing_then_remount_is_byte_exact(bucket, tmp_path,
     assert after["bucketfs_cache_ssd_chunk_reads_total"] > 0  # what was packed is used
     assert not [p for p in (cache / "chunks").iterdir() if p.suffix != ".chk"]
     # Every chunk file is indexed (the unmount's flush may have written more since).
-    options = Options(raw_mode=True)
-    options.set_db_log_dir(str(tmp_path))
-    index = Rdict(str(cache / "index"), options, access_type=AccessType.read_only())
-    try:
-        indexed = len(chunk_layouts(index))
-    finally:
-        index.close()
+    indexed = len(indexed_chunks(cache))
     assert indexed >= after["bucketfs_cache_ssd_chunks"]
     assert len(list((cache / "chunks").iterdir())) == indexed

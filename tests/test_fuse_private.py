@@ -24,6 +24,7 @@ from bucketfs import runtime
 from bucketfs.hints import location
 from bucketfs.private import UnsafePath, create_private_file, open_private_log, private_directory
 from tests.mounting import bucketfs, mounted, read_log
+from tests.test_chunks import cache_files
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
@@ -115,7 +116,7 @@ def test_a_cache_group_may_read_the_cache_and_nobody_else(open_base):
                  str(cache), "--cache-group", str(group), "--disk-free-floor", "0") as mnt:
         for key, data in FILES.items():
             assert (mnt / key).read_bytes() == data
-        blocks = {p.name: str(p) for p in [*cache.rglob("*.blk"), *cache.rglob("*.chk")]}
+        blocks = {p.name: str(p) for p in cache_files(cache)}
         assert blocks
         for path in cache.rglob("*"):
             info = path.lstat()
@@ -143,8 +144,7 @@ def test_a_more_open_cache_directory_gets_a_warning_and_private_insides(open_bas
         assert len(warnings) == 1 and "chmod 700" in warnings[0], result.stderr
         for sub in ("data", "index", "chunks"):
             assert stat.S_IMODE((cache / sub).stat().st_mode) == 0o700
-        inside = {p.name: str(p) for p in [*(cache / "data").rglob("*.blk"),
-                                            *(cache / "chunks").glob("*.chk")]}
+        inside = {p.name: str(p) for p in cache_files(cache)}
         assert inside and set(as_nobody(inside).values()) == {"PermissionError"}
     finally:
         bucketfs("umount", str(mountpoint))
