@@ -44,6 +44,7 @@ from bucketfs.hints.protocol import (
     parse_header,
 )
 from bucketfs.private import UnsafePath, private_directory
+from bucketfs.workers import in_worker
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class _Server:
             return decode_body(kind, await self.body(stream, length), flags)
         async with self.big_bodies:
             body = await self.body(stream, length)
-            return await trio.to_thread.run_sync(decode_body, kind, body, flags)
+            return await in_worker(decode_body, kind, body, flags)
 
     async def body(self, stream: trio.SocketStream, length: int) -> bytearray:
         with trio.fail_after(self.read_timeout + length / MIN_RATE):

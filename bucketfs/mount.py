@@ -74,6 +74,7 @@ from bucketfs.runtime import (
 from bucketfs.status import MountStatus, facts_of
 from bucketfs.tasks import describe, start_guarded
 from bucketfs.warm import WarmJobs
+from bucketfs.workers import in_worker
 
 log = logging.getLogger(__name__)
 
@@ -469,7 +470,7 @@ async def _set_kernel_readahead(mountpoint: str, size: int) -> None:
     # The kernel sets the value when the FUSE INIT handshake completes, so change it only
     # after a request has gone through (in a thread: this loop must serve the request).
     try:
-        await trio.to_thread.run_sync(os.statvfs, mountpoint)
+        await in_worker(os.statvfs, mountpoint)
     except OSError as exc:  # unmounted meanwhile
         log.debug("kernel read-ahead left at its default (%s)", exc.strerror)
         return

@@ -36,6 +36,7 @@ from bucketfs.backends.store import ObjectStore
 from bucketfs.cache.listings import ROOT_INODE, IndexUnwritable, TreeIndex
 from bucketfs.cache.schema import DirEntry, tree_space
 from bucketfs.runtime import scratch_root
+from bucketfs.workers import in_worker
 
 log = logging.getLogger(__name__)
 
@@ -247,13 +248,13 @@ class Namespace:
             listing = self.tree.begin(directory.inode)
             try:
                 async for page in self.store.list_pages(directory.key):
-                    changes = await trio.to_thread.run_sync(
+                    changes = await in_worker(
                         self.tree.add_page, listing, self._children(directory, page))
                     for key in changes.hidden:
                         self._warn_once(key, f"object {key!r} is hidden by the directory "
                                              f"{key + '/'!r} of the same name")
                     self._gone(changes.gone)
-                self._gone(await trio.to_thread.run_sync(self.tree.finish, listing, listed_at))
+                self._gone(await in_worker(self.tree.finish, listing, listed_at))
                 return
             except IndexUnwritable:
                 if in_memory:

@@ -53,6 +53,7 @@ from bucketfs.prefetch.concurrency import AdaptiveConcurrency
 from bucketfs.prefetch.layout import NextPlan
 from bucketfs.prefetch.scheduler import PrefetchScheduler, PrefetchStats
 from bucketfs.tasks import failed, start_guarded
+from bucketfs.workers import in_worker
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ class HintedPrefetch:
             resolved = [(obj.key, obj.size) for obj in objects]
             layout = b""
             if self.packing is not None:  # a million keys: not in the trio thread
-                layout = await trio.to_thread.run_sync(layout_tag, resolved)
+                layout = await in_worker(layout_tag, resolved)
         finally:
             self._resolving -= 1
             early = list(self._early_opens)
@@ -324,7 +325,7 @@ class HintedPrefetch:
         objects = await self._resolve(order.paths)
         resolved = [(obj.key, obj.size) for obj in objects]
         # A million keys: not in the trio thread.
-        planned = await trio.to_thread.run_sync(self.packing.plan_next, resolved)
+        planned = await in_worker(self.packing.plan_next, resolved)
         if self._announced.get(job) is not announced \
                 or self._generation.get(job) != announced.follows:
             return  # a newer next order, a newer order or the job's end arrived meanwhile

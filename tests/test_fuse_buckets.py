@@ -6,10 +6,12 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+from pathlib import Path
 
 import pytest
 
 from tests.mounting import expected_tree, mounted, read_log, tree
+from tests.test_fstab import daemon_pid
 
 pytestmark = pytest.mark.fuse
 
@@ -156,3 +158,19 @@ def test_changed_object_is_never_served_mixed(remote, tmp_path, request):
         if "changed in the bucket" in log:
             with open(mnt / "file.bin", "rb") as f:
                 assert hashlib.sha256(f.read()).digest() == hashlib.sha256(new).digest()
+
+
+def test_worker_threads_never_preempt_the_fuse_thread(mount):
+    """The daemon's worker threads, and the tokio threads obstore starts from them, run
+    under SCHED_BATCH; the thread serving FUSE requests keeps the default policy
+    (bucketfs/workers.py says why)."""
+    assert (mount / "train/cls1/img0.jpg").read_bytes() == OBJECTS["data/train/cls1/img0.jpg"]
+    pid = daemon_pid(mount)
+    policies: dict[str, set[int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        kind = "fuse" if int(tid) == pid else name.rstrip("0123456789 ")
+        policies.setdefault(kind, set()).add(os.sched_getscheduler(int(tid)))
+    assert policies["fuse"] == {os.SCHED_OTHER}
+    assert policies["Trio thread"] == {os.SCHED_BATCH}
+    assert policies["tokio-rt-worker"] == {os.SCHED_BATCH}

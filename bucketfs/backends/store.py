@@ -18,6 +18,7 @@ import trio
 
 from bucketfs.backends.base import Backend, ListPage, ObjectInfo
 from bucketfs.backends.retry import RetryPolicy, call_with_retries
+from bucketfs.workers import in_worker
 
 T = TypeVar("T")
 
@@ -84,7 +85,7 @@ class ObjectStore:
                     took.append(time.monotonic() - began)
 
             try:
-                return await trio.to_thread.run_sync(timed, limiter=self.limiter)
+                return await in_worker(timed, limiter=self.limiter)
             finally:
                 if took:  # empty if cancelled while waiting for a slot
                     histogram.observe(took[0])

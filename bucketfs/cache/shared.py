@@ -40,6 +40,7 @@ from bucketfs.cache.shared_names import (
 )
 from bucketfs.cache.shared_store import SharedError, SharedStore
 from bucketfs.tasks import failed
+from bucketfs.workers import in_worker
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class SharedTier:
             return (None, wrong) if wrong else (found.data, None)
 
         try:
-            data, wrong = await trio.to_thread.run_sync(fetch, limiter=self.read_limiter)
+            data, wrong = await in_worker(fetch, limiter=self.read_limiter)
         except SharedError as exc:
             self.stats.errors += 1
             self._failed(self._reads, exc)
@@ -225,7 +226,7 @@ class SharedTier:
                     return done, exc
             return len(batch), None
 
-        written, error = await trio.to_thread.run_sync(put, limiter=self.write_limiter)
+        written, error = await in_worker(put, limiter=self.write_limiter)
         self.stats.requests["put"] += written + (error is not None)
         self.stats.writes += written
         self.stats.bytes_written += sum(len(data) for _, data in batch[:written])  # type: ignore[arg-type]
@@ -241,8 +242,8 @@ class SharedTier:
         name = self.names.descriptor(self.dataset)
         self.stats.requests["put"] += 1
         try:
-            await trio.to_thread.run_sync(self.store.put, name, self.dataset.descriptor(),
-                                          {}, limiter=self.write_limiter)
+            await in_worker(self.store.put, name, self.dataset.descriptor(), {},
+                            limiter=self.write_limiter)
         except SharedError as exc:
             self.stats.errors += 1
             self._failed(self._writes, exc)

@@ -40,6 +40,7 @@ from bucketfs.cache.ram import RamTier
 from bucketfs.cache.shared import SharedTier
 from bucketfs.cache.tier import CacheEvents, Hit, Tier
 from bucketfs.tasks import failed
+from bucketfs.workers import in_worker
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +194,8 @@ class BlockCache:
             return data
         # One index read here spares a cold miss the hop to a worker thread.
         if self.disk is not None and self.disk.holds(block):
-            hit = await trio.to_thread.run_sync(self.disk.get, block, self.ram.capacity // 4,
-                                                limiter=self.disk_limiter)
+            hit = await in_worker(self.disk.get, block, self.ram.capacity // 4,
+                                  limiter=self.disk_limiter)
             if hit is not None:
                 self.stats.disk_hits += 1
                 self.stats.disk_bytes_served += len(hit.data)
@@ -256,8 +257,7 @@ class BlockCache:
             if self.disk is not None and self.disk.holds(block):
                 held = self.ram.peek(block)
                 if held is None:
-                    held = await trio.to_thread.run_sync(self.disk.get, block,
-                                                         limiter=self.disk_limiter)
+                    held = await in_worker(self.disk.get, block, limiter=self.disk_limiter)
                 return held
             if self.ram.holds(block):
                 return None  # read, and not stored on SSD
@@ -271,8 +271,8 @@ class BlockCache:
         """Pack these blocks, in this order, into one SSD chunk tagged `layout`."""
         if self.disk is None:
             return False
-        return await trio.to_thread.run_sync(self.disk.write_chunk, blocks, layout,
-                                             limiter=self.disk_limiter)
+        return await in_worker(self.disk.write_chunk, blocks, layout,
+                               limiter=self.disk_limiter)
 
     # --- writes to SSD --------------------------------------------------------------------
 
@@ -314,7 +314,7 @@ class BlockCache:
                 if not self._full_batch_waiting():
                     self._batch_full = trio.Event()
                 try:
-                    self.stats.disk_writes += await trio.to_thread.run_sync(
+                    self.stats.disk_writes += await in_worker(
                         self.disk.put_many, batch, limiter=self.disk_limiter)
                 except Exception as exc:  # a bug in the SSD tier: they stay RAM blocks
                     failed("writing blocks to the SSD tier", exc)
@@ -340,9 +340,8 @@ class BlockCache:
         waiting = [(b, d, c) for b, (d, c) in self.writing.items()]
         waiting += list(self.ram.items())
         for start in range(0, len(waiting), _BATCH_BLOCKS):
-            await trio.to_thread.run_sync(self.disk.put_many,
-                                          waiting[start:start + _BATCH_BLOCKS],
-                                          limiter=self.disk_limiter)
+            await in_worker(self.disk.put_many, waiting[start:start + _BATCH_BLOCKS],
+                            limiter=self.disk_limiter)
         # put_many() skips blocks a write-through task is still writing: wait for those.
         while self.writing:
             await self._room.wait()

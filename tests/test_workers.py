@@ -1,0 +1,73 @@
+"""Worker threads (bucketfs/workers.py): what `in_worker` runs comes back as it would
+from a direct call, runs under SCHED_BATCH (and so do threads it starts), within the
+limiter given, and the trio thread keeps its own policy."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import trio
+
+from bucketfs.workers import in_worker
+
+
+def policy() -> int:
+    return os.sched_getscheduler(0)
+
+
+def policy_of_a_thread_started_here() -> int:
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(policy()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_a_worker_runs_under_sched_batch_and_the_trio_thread_keeps_its_policy():
+    async def main() -> tuple[int, int, int, int]:
+        before = policy()
+        in_thread = await in_worker(policy)
+        started = await in_worker(policy_of_a_thread_started_here)
+        return before, in_thread, started, policy()
+
+    before, in_thread, started, after = trio.run(main)
+    assert in_thread == os.SCHED_BATCH
+    assert started == os.SCHED_BATCH  # obstore's tokio threads start this way
+    assert before == after == os.SCHED_OTHER
+
+
+def test_values_and_exceptions_pass_through():
+    def divide(a: int, b: int) -> float:
+        return a / b
+
+    async def main() -> None:
+        assert await in_worker(divide, 6, 3) == 2
+        with pytest.raises(ZeroDivisionError):
+            await in_worker(divide, 1, 0)
+
+    trio.run(main)
+
+
+def test_the_limiter_bounds_how_many_run_at_once():
+    running, peak = 0, 0
+    lock = threading.Lock()
+
+    def work() -> None:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        threading.Event().wait(0.02)
+        with lock:
+            running -= 1
+
+    async def main() -> None:
+        limiter = trio.CapacityLimiter(2)
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(lambda: in_worker(work, limiter=limiter))
+
+    trio.run(main)
+    assert peak == 2
