@@ -10,9 +10,13 @@ these threads and nothing else (they keep their fair share of CPU; on an idle CP
 run at once). The trio thread keeps the default policy, so a FUSE request still wakes it
 promptly. Threads a worker starts inherit the policy: obstore's tokio threads are
 started by the first GET. On 2,000 cold 100 KB files this took the daemon from
-0.78-0.85 to 0.69-0.72 ms of CPU per file (docs/BENCHMARKS.md).
+0.74-0.79 to 0.62-0.64 ms of CPU per file (docs/BENCHMARKS.md, step 12). The cost:
+with every core busy (DataLoader workers decoding), a finished GET waits for the running
+task's time slice; a hinted far-link epoch took about 2% longer in the median.
 
-No privilege is needed: any thread may lower its own claim this way.
+No privilege is needed: any thread may lower its own claim this way. A daemon an
+operator started under another policy (`chrt --idle`, a real-time one) keeps it: only
+threads under the default policy are switched.
 """
 
 from __future__ import annotations
@@ -33,14 +37,16 @@ _thread = threading.local()
 
 
 def run_as_background_thread() -> None:
-    """Put the calling thread under SCHED_BATCH (once per thread; a no-op where the
-    platform has no such policy, logged at DEBUG if the kernel refuses)."""
+    """Put the calling thread under SCHED_BATCH if it runs under the default policy
+    (once per thread; a no-op where the platform has no such policy, logged at DEBUG if
+    the kernel refuses)."""
     _thread.background = True
-    policy = getattr(os, "SCHED_BATCH", None)
-    if policy is None:
+    batch = getattr(os, "SCHED_BATCH", None)
+    if batch is None:
         return
     try:
-        os.sched_setscheduler(0, policy, os.sched_param(0))
+        if os.sched_getscheduler(0) == os.SCHED_OTHER:
+            os.sched_setscheduler(0, batch, os.sched_param(0))
     except OSError as exc:  # a seccomp filter, say: the thread runs as it was
         log.debug("cannot put a worker thread under SCHED_BATCH: %s", exc)
 

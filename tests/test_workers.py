@@ -10,7 +10,7 @@ import threading
 import pytest
 import trio
 
-from bucketfs.workers import in_worker
+from bucketfs.workers import in_worker, run_as_background_thread
 
 
 def policy() -> int:
@@ -71,3 +71,18 @@ def test_the_limiter_bounds_how_many_run_at_once():
 
     trio.run(main)
     assert peak == 2
+
+
+def test_a_policy_the_operator_chose_is_kept():
+    """A daemon started under SCHED_IDLE (`chrt --idle`) keeps it in its workers: only
+    threads under the default policy are switched."""
+    def idle_then_mark() -> int:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        run_as_background_thread()
+        return policy()
+
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(idle_then_mark()))
+    thread.start()
+    thread.join()
+    assert seen == [os.SCHED_IDLE]
