@@ -60,4 +60,6 @@ def _call(fn: Callable[..., T], args: tuple[object, ...]) -> T:
 async def in_worker(fn: Callable[..., T], *args: object,
                     limiter: trio.CapacityLimiter | None = None) -> T:
     """`fn(*args)` in a worker thread (`trio.to_thread.run_sync`), under SCHED_BATCH."""
-    return await trio.to_thread.run_sync(_call, fn, args, limiter=limiter)
+    # Named as trio names it, after `fn` rather than this module's wrapper (py-spy, top).
+    name = f"{getattr(fn, '__name__', None)} from {trio.lowlevel.current_task().name}"
+    return await trio.to_thread.run_sync(_call, fn, args, thread_name=name, limiter=limiter)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import trio
@@ -86,3 +87,14 @@ def test_a_policy_the_operator_chose_is_kept():
     thread.start()
     thread.join()
     assert seen == [os.SCHED_IDLE]
+
+
+def test_a_worker_is_named_after_what_it_runs():
+    """As trio names its threads (what py-spy and top show), not after the wrapper."""
+    def os_thread_name() -> str:
+        return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+    async def main() -> str:
+        return await in_worker(os_thread_name)
+
+    assert trio.run(main).startswith("os_thread_name")
