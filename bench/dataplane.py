@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.fresh_memory import touch
-from bench.harness.procstats import cpu_seconds
+from bench.harness.procstats import cpu_seconds, self_cpu
 from bucketfs.hints.client import Target
 from bucketfs.hints.control import status
 from bucketfs.runtime import daemon_pid
@@ -53,13 +53,6 @@ from tests.servers import S3Server
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 BUCKET = "dataplane"
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def self_cpu() -> float:
-    with open("/proc/self/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def drop_page_cache() -> None:

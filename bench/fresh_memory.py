@@ -16,26 +16,22 @@ from __future__ import annotations
 
 import argparse
 import mmap
-import os
 from pathlib import Path
+
+from bench.harness.procstats import self_cpu
 
 GiB = 1024**3
 _STEP = 64 * 1024**2
 _REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")
 
 
-def cpu() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
 def touch_one_gib() -> tuple[mmap.mmap, float]:
-    began = cpu()
+    began = self_cpu()
     region = mmap.mmap(-1, GiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     ones = b"\1" * _STEP
     for offset in range(0, GiB, _STEP):
         region[offset:offset + _STEP] = ones
-    return region, cpu() - began
+    return region, self_cpu() - began
 
 
 def touch(gib: int) -> list[float]:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from bucketfs.runtime import daemon_pid as recorded_pid
 from bucketfs.runtime import mounted as mount_entry
 
 
@@ -50,6 +51,13 @@ def mounted(url: str, mountpoint: Path, *args: str, env: dict[str, str] | None =
         result = bucketfs("umount", str(mountpoint))
         force_unmount(mountpoint)
         assert result.returncode == 0, f"umount failed: {result.stderr}"
+
+
+def daemon_pid(mountpoint: Path) -> int:
+    """The pid of the daemon serving `mountpoint` (the one its state directory records)."""
+    pid = recorded_pid(str(mountpoint))
+    assert pid is not None, f"no daemon pid recorded for {mountpoint}"
+    return pid
 
 
 def read_log(path: Path) -> str:

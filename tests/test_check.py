@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from bucketfs.runtime import mounted as mount_entry
-from bucketfs.runtime import state_dir
-from tests.mounting import bucketfs, force_unmount
+from tests.mounting import bucketfs, daemon_pid, force_unmount
 
 
 def check(path: Path | str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -44,7 +43,7 @@ def test_healthy_stopped_and_stale(tmp_path):
     result = bucketfs("mount", f"file://{source}", str(mnt), "--log-file",
                       str(tmp_path / "log"))
     assert result.returncode == 0, result.stderr
-    pid = int((state_dir(str(mnt)) / "pid").read_text())
+    pid = daemon_pid(mnt)
     try:
         result = check(mnt)
         assert result.returncode == 0, result.stderr

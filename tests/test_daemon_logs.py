@@ -17,8 +17,7 @@ import pytest
 
 from bucketfs.logs import REDACTED, JsonFormatter, RedactingFilter, redact
 from bucketfs.runtime import mounted as mount_entry
-from bucketfs.runtime import state_dir
-from tests.mounting import force_unmount, mounted, read_log
+from tests.mounting import daemon_pid, force_unmount, mounted, read_log
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzEXAMPLEKEY"
 ACCESS_KEY = "AKIAIOSFODNN7EXAMPLE"
@@ -93,7 +92,7 @@ def test_daemon_command_line_holds_no_options_and_json_logs_parse(source, tmp_pa
                  "--cache-dir", str(cache), "--log-level", "debug", "--log-format", "json",
                  "--kernel-ttl", "7", env=env) as mnt:
         assert (mnt / "d" / "f.txt").read_text() == "hello\n"
-        pid = int((state_dir(str(mnt)) / "pid").read_text())
+        pid = daemon_pid(mnt)
         argv = cmdline(pid)
         # Only the URL and the mountpoint; the options came through a pipe.
         assert argv[1:7] == ["-P", "-m", "bucketfs", "mount", f"file://{source}", str(mnt)]

@@ -23,8 +23,7 @@ from bucketfs.fstab import (
     translate,
 )
 from bucketfs.runtime import mounted as mount_entry
-from bucketfs.runtime import state_dir
-from tests.mounting import force_unmount, read_log
+from tests.mounting import daemon_pid, force_unmount, read_log
 
 HELPER = Path("/sbin/mount.fuse.bucketfs")
 #: Marks the helper this test installs, so a leftover one is replaced and a real
@@ -139,10 +138,6 @@ def installed_helper() -> Iterator[Path]:
             aside.replace(HELPER)
         else:
             HELPER.unlink(missing_ok=True)
-
-
-def daemon_pid(mountpoint: Path) -> int:
-    return int((state_dir(str(mountpoint)) / "pid").read_text())
 
 
 def umount_and_wait(mountpoint: Path, pid: int) -> None:

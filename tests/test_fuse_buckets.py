@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import expected_tree, mounted, read_log, tree
-from tests.test_fstab import daemon_pid
+from tests.mounting import daemon_pid, expected_tree, mounted, read_log, tree
 
 pytestmark = pytest.mark.fuse
 

@@ -14,8 +14,14 @@ import time
 
 import pytest
 
-from bucketfs.runtime import state_dir
-from tests.mounting import bucketfs, drop_page_cache, force_unmount, mounted, sha256_file
+from tests.mounting import (
+    bucketfs,
+    daemon_pid,
+    drop_page_cache,
+    force_unmount,
+    mounted,
+    sha256_file,
+)
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
@@ -111,7 +117,7 @@ def test_kill_9_while_filling_then_remount_is_byte_exact(counted, tmp_path, dela
             "--disk-free-floor", "0")
     result = bucketfs("mount", "s3://cached", str(mnt), *args, env=env)
     assert result.returncode == 0, result.stderr
-    pid = int((state_dir(str(mnt)) / "pid").read_text())
+    pid = daemon_pid(mnt)
     names = list(FILES)
     random.Random(delay).shuffle(names)
 

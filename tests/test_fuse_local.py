@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bucketfs.runtime import state_dir
-from tests.mounting import mounted, sha256_file, tree
+from tests.mounting import daemon_pid, mounted, sha256_file, tree
 
 pytestmark = pytest.mark.fuse
 
@@ -147,7 +146,7 @@ def test_multi_gigabyte_object_streams_in_bounded_memory(tmp_path):
     expected = sha256_file(root / "huge.bin")
     with mounted(f"file://{root}", tmp_path / "mnt", "--readahead-budget", "64MiB",
                  "--readahead-max", "32MiB", "--ram-cache", "64MiB") as mnt:
-        pid = int((state_dir(str(mnt.resolve())) / "pid").read_text())
+        pid = daemon_pid(mnt.resolve())
         digest = hashlib.sha256()
         with open(mnt / "huge.bin", "rb", buffering=0) as f:
             while chunk := f.read(4 * MiB):

@@ -20,9 +20,8 @@ from torchvision.datasets import DatasetFolder
 
 from bucketfs.hints import HintSampler, send_order
 from bucketfs.packer import layout_tag
-from bucketfs.runtime import state_dir
 from tests.crashing import open_index
-from tests.mounting import bucketfs, drop_page_cache, force_unmount, mounted
+from tests.mounting import bucketfs, daemon_pid, drop_page_cache, force_unmount, mounted
 from tests.servers import free_ports
 from tests.test_fuse_hints import metrics
 from tests.test_packing_next_epoch import chunk_layouts, follows
@@ -187,7 +186,7 @@ def test_kill_9_while_packing_then_remount_is_byte_exact(bucket, tmp_path,
     mnt.mkdir()
     result = bucketfs("mount", url, str(mnt), *args, "--metrics-port", str(port))
     assert result.returncode == 0, result.stderr
-    pid = int((state_dir(str(mnt)) / "pid").read_text())
+    pid = daemon_pid(mnt)
     hint(mnt, order, 0, port)
     upcoming = iter(order)  # four readers share the order, as DataLoader workers do
 

@@ -17,6 +17,12 @@ def _stat_fields(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2:].split()
 
 
+def self_cpu() -> float:
+    """User + system time of this process (all its threads), not its children."""
+    times = os.times()
+    return times.user + times.system
+
+
 def descendants(pid: int) -> list[int]:
     """pid and every live process below it."""
     children: dict[int, list[int]] = {}
