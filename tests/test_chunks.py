@@ -22,7 +22,13 @@ from bucketfs.cache.blocks import BlockId, ObjectRef
 from bucketfs.cache.chunk_files import DATA_START
 from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
-from bucketfs.cache.schema import STATE_KEY
+from bucketfs.cache.schema import (
+    STATE_KEY,
+    chunk_key,
+    chunk_rank_name,
+    decode_chunk,
+    with_chunk_state,
+)
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.packer import ChunkPacking, layout_tag
 from bucketfs.prefetch.eviction import make_policy
@@ -122,6 +128,30 @@ def test_a_pass_over_a_chunk_reads_the_members_after_it_in_the_same_pread(tmp_pa
     limit = len(blocks[ordered[5]])
     assert [b for b, _, _ in disk.get(ordered[4], limit)[2]] == [ordered[5]]
     assert disk.get(ordered[0], 0)[2] == []
+    disk.close()
+
+
+def test_a_hit_re_ranks_its_chunk_and_keeps_the_member_table_byte_for_byte(tmp_path):
+    """A hit rewrites only the chunk record's policy state (not a decode and re-encode
+    of its members), and the chunk moves in the eviction order."""
+    blocks = files(5)
+    disk = open_tier(tmp_path / "cache")
+    assert pack(disk, blocks)
+    before = disk.index[chunk_key(0)]
+    ranked_before = [name for _, name in disk.ranking.head()]
+    assert ranked_before == [chunk_rank_name(0)]
+    rank_keys = [k for k, _ in disk.ranking.head()]
+    assert disk.get(list(blocks)[2])[0] == blocks[list(blocks)[2]]
+    after = disk.index[chunk_key(0)]
+    old, new = decode_chunk(before), decode_chunk(after)
+    assert new.members == old.members and (new.size, new.live, new.cost) == (
+        old.size, old.live, old.cost)
+    assert new.state != old.state
+    assert [k for k, _ in disk.ranking.head()] != rank_keys  # re-ranked, not duplicated
+    assert len(list(disk.ranking.head())) == 1
+    # A state of another length cannot be spliced in: the caller re-encodes.
+    assert with_chunk_state(after, (*new.state, 1.0)) is None
+    assert decode_chunk(with_chunk_state(after, old.state)) == old
     disk.close()
 
 

@@ -78,6 +78,7 @@ from bucketfs.cache.schema import (
     ENTRY,
     LAYOUT_BYTES,
     WRITE_THROUGH,
+    ChunkHead,
     ChunkRecord,
     ChunkTotals,
     Member,
@@ -87,12 +88,14 @@ from bucketfs.cache.schema import (
     chunk_rank_name,
     decode_block,
     decode_chunk,
+    decode_chunk_head,
     decode_chunk_totals,
     decode_packed,
     encode_chunk,
     encode_chunk_totals,
     encode_packed,
     is_packed,
+    with_chunk_state,
 )
 
 log = logging.getLogger(__name__)
@@ -285,8 +288,7 @@ class ChunkStore:
         bytes) come in the same pread, each checked against its CRC32."""
         space = self.space
         value = space.index.get(chunk_key(packed.chunk))
-        record = None if value is None else self._parsed(value)
-        if record is None:
+        if value is None or self._head(value) is None:
             with space.lock:
                 self.forget_member(entry, packed)
             return None
@@ -299,8 +301,11 @@ class ChunkStore:
         following: list[Member] = []
         # A write-through chunk holds blocks in the order they were fetched: reading
         # its first member says nothing of the next; reading on from the last does.
+        record = None
         if ahead > 0 and self._passes.continues(packed.chunk, start,
                                                 from_start=packed.layout != WRITE_THROUGH):
+            record = self._parsed(value)  # the member table: only to read on
+        if record is not None:
             for m in record.members:  # in offset order
                 if m.offset < end:
                     continue
@@ -344,13 +349,21 @@ class ChunkStore:
     def _referenced(self, chunk: int) -> None:  # lock held
         key = chunk_key(chunk)
         value = self.space.index.get(key)
-        record = None if value is None else self._parsed(value)
-        if record is None:
+        head = None if value is None else self._head(value)
+        if value is None or head is None:
             return
         batch = WriteBatch(raw_mode=True)
-        record.state = self.space.ranking.referenced(
-            batch, chunk_rank_name(chunk), record.size, record.cost, record.state)
-        batch.put(key, encode_chunk(record))
+        state = self.space.ranking.referenced(
+            batch, chunk_rank_name(chunk), head.size, head.cost, head.state)
+        # Only the state changes: the member table is copied as it is, not decoded.
+        updated = with_chunk_state(value, state)
+        if updated is None:
+            record = self._parsed(value)
+            if record is None:
+                return
+            record.state = state
+            updated = encode_chunk(record)
+        batch.put(key, updated)
         self.space.index.write(batch)
 
     def member_entries(self, chunk: int) -> list[bytes]:  # lock held
@@ -358,6 +371,13 @@ class ChunkStore:
         value = self.space.index.get(chunk_key(chunk))
         record = None if value is None else self._parsed(value)
         return [] if record is None else [m.entry for m in record.members]
+
+    @staticmethod
+    def _head(value: bytes) -> ChunkHead | None:
+        try:
+            return decode_chunk_head(value)
+        except (ValueError, struct.error):
+            return None
 
     @staticmethod
     def _parsed(value: bytes) -> ChunkRecord | None:

@@ -217,6 +217,34 @@ def encode_chunk(record: ChunkRecord) -> bytes:
     return b"".join(parts)
 
 
+class ChunkHead(NamedTuple):
+    """A chunk record's fixed part: what a hit needs, without its member table."""
+
+    size: int
+    cost: float
+    state: tuple[float, ...]
+
+
+def decode_chunk_head(value: bytes) -> ChunkHead:
+    """The head of a chunk record (ValueError or struct.error if it is cut short). A hit
+    reads only this: decoding a write-through chunk's few hundred members cost more than
+    the rest of the hit."""
+    size, _, cost, _, state_len = _CHUNK_RECORD.unpack_from(value)
+    return ChunkHead(size, cost, struct.unpack_from(f"<{state_len}d", value,
+                                                    _CHUNK_RECORD.size))
+
+
+def with_chunk_state(value: bytes, state: tuple[float, ...]) -> bytes | None:
+    """The chunk record `value` with its policy state replaced (the member table copied
+    as bytes); None if the new state has another length (a full re-encode is needed)."""
+    state_len = _CHUNK_RECORD.unpack_from(value)[4]
+    if len(state) != state_len:
+        return None
+    at = _CHUNK_RECORD.size
+    return b"".join((value[:at], struct.pack(f"<{state_len}d", *state),
+                     value[at + 8 * state_len:]))
+
+
 def decode_chunk(value: bytes) -> ChunkRecord:
     size, live, cost, count, state_len = _CHUNK_RECORD.unpack_from(value)
     at = _CHUNK_RECORD.size
