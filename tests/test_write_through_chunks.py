@@ -6,6 +6,10 @@ block by block."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,7 @@ from tests.test_chunks import (
     MiB,
     as_if_crashed,
     block_files,
+    cache_files,
     chunk_files,
     files,
     forget_reads,
@@ -202,4 +207,47 @@ def test_while_orders_are_hinted_blocks_are_kept_or_declined_one_by_one(tmp_path
     plans.append(object())  # a job sent its order
     assert disk.put_many(batch(files(3, seed=1))) == 3
     assert len(chunk_files(directory)) == 1 and len(block_files(directory)) == 3
+    disk.close()
+
+
+def resident_bytes(path: Path) -> int:
+    """How much of the file the page cache holds (mincore over a mapping of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size, page = path.stat().st_size, mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            pages = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            assert libc.mincore(address, size, pages) == 0, os.strerror(ctypes.get_errno())
+            return sum(p & 1 for p in pages) * page
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+def test_the_tiers_files_leave_the_page_cache_once_written(tmp_path):
+    """What the write-through stores is in RAM already, and in the page cache of the
+    mount's file: the tier's own file keeps no pages once durable (chunk files, and
+    block files written in a batch)."""
+    if subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True,
+                      text=True).stdout.strip() == "tmpfs":
+        pytest.skip("tmpfs keeps every page: run the tests on a disk file system")
+    directory, blocks, _, disk = fresh_tier(tmp_path, 8)
+    (large, large_data), = files(1, seed=1, size=MiB).items()  # a block file of its own
+    assert disk.put_many([*batch(blocks), (large, large_data, 0.01)]) == 9
+    written = cache_files(directory)
+    assert len(written) == 2  # a chunk and a block file
+    assert [resident_bytes(p) for p in written] == [0, 0]
+    forget_reads(disk)
+    assert serves(disk, blocks) and disk.get(large)[0] == large_data
+    # What proves the check can fail: reads leave pages, as any read of a file does.
+    assert sum(resident_bytes(p) for p in written) > 0
     disk.close()

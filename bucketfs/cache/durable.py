@@ -6,18 +6,33 @@ left in between.
 `write_many` does it for many files at once with one `syncfs` of their filesystem in
 place of an fsync each: a cold epoch writes a block file per small object, and one
 flush for a batch costs the daemon a fraction of what a flush per file does.
+
+Once durable, a file's pages leave the page cache (`drop_cached`): what the SSD tier
+writes is also in the RAM tier and in the page cache of the mount's own file, where the
+kernel serves it without the daemon. A third copy, under the tier file's name, would
+double the page cache a cold epoch takes (writing 191 MiB of blocks left all 191 MiB
+resident, docs/BENCHMARKS.md), charged to the daemon's memory cgroup.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _syncfs = getattr(_libc, "syncfs", None)
+
+
+def drop_cached(fd: int) -> None:
+    """Let the kernel drop the file's clean pages from the page cache. Advice only: a
+    failure changes nothing."""
+    with contextlib.suppress(OSError):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def write_durably(path: Path, parts: Iterable[bytes]) -> None:
@@ -28,6 +43,7 @@ def write_durably(path: Path, parts: Iterable[bytes]) -> None:
                 f.write(part)
             f.flush()
             os.fsync(f.fileno())
+            drop_cached(f.fileno())
         os.rename(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
@@ -39,25 +55,36 @@ def write_many(files: Sequence[tuple[Path, Iterable[bytes]]]) -> list[BaseExcept
     temporary file removed). One flush of the filesystem for all of them."""
     outcomes: list[BaseException | None] = [None] * len(files)
     written: list[int] = []
-    for i, (path, parts) in enumerate(files):
-        temporary = _temporary(path)
-        try:
-            with open(temporary, "wb") as f:
+    #: Kept open until the flush, so that their pages can be dropped once clean.
+    opened: list[BinaryIO] = []
+    try:
+        for i, (path, parts) in enumerate(files):
+            temporary = _temporary(path)
+            try:
+                f = open(temporary, "wb")  # noqa: SIM115 (closed below, after the flush)
+                opened.append(f)
                 for part in parts:
                     f.write(part)
-            written.append(i)
-        except Exception as exc:
-            temporary.unlink(missing_ok=True)
-            outcomes[i] = exc
-    if not written:
-        return outcomes
-    try:
-        _flush([files[i][0] for i in written])
-    except Exception as exc:  # nothing is known durable: none is renamed
-        for i in written:
-            _temporary(files[i][0]).unlink(missing_ok=True)
-            outcomes[i] = exc
-        return outcomes
+                f.flush()
+                written.append(i)
+            except Exception as exc:
+                temporary.unlink(missing_ok=True)
+                outcomes[i] = exc
+        if not written:
+            return outcomes
+        try:
+            _flush([files[i][0] for i in written])
+        except Exception as exc:  # nothing is known durable: none is renamed
+            for i in written:
+                _temporary(files[i][0]).unlink(missing_ok=True)
+                outcomes[i] = exc
+            return outcomes
+        for f in opened:
+            drop_cached(f.fileno())
+    finally:
+        for f in opened:
+            with contextlib.suppress(OSError):
+                f.close()
     for i in written:
         path = files[i][0]
         try:
