@@ -227,8 +227,7 @@ class ChunkHead(NamedTuple):
 
 def decode_chunk_head(value: bytes) -> ChunkHead:
     """The head of a chunk record (ValueError or struct.error if it is cut short). A hit
-    reads only this: decoding a write-through chunk's few hundred members cost more than
-    the rest of the hit."""
+    reads only this; the member table is decoded only to read on past the member."""
     size, _, cost, _, state_len = _CHUNK_RECORD.unpack_from(value)
     return ChunkHead(size, cost, struct.unpack_from(f"<{state_len}d", value,
                                                     _CHUNK_RECORD.size))
