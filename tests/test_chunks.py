@@ -27,6 +27,7 @@ from bucketfs.cache.schema import (
     chunk_key,
     chunk_rank_name,
     decode_chunk,
+    encode_chunk,
     with_chunk_state,
 )
 from bucketfs.cache.tiered import BlockCache
@@ -152,6 +153,13 @@ def test_a_hit_re_ranks_its_chunk_and_keeps_the_member_table_byte_for_byte(tmp_p
     # A state of another length cannot be spliced in: the caller re-encodes.
     assert with_chunk_state(after, (*new.state, 1.0)) is None
     assert decode_chunk(with_chunk_state(after, old.state)) == old
+    # A record saved with a shorter state (another policy's) is re-encoded on a hit.
+    shorter = decode_chunk(after)
+    shorter.state = shorter.state[:3]
+    disk.index[chunk_key(0)] = encode_chunk(shorter)
+    assert disk.get(list(blocks)[3])[0] == blocks[list(blocks)[3]]
+    again = decode_chunk(disk.index[chunk_key(0)])
+    assert again.members == old.members and len(again.state) == len(new.state)
     disk.close()
 
 

@@ -10,6 +10,7 @@ import ctypes
 import mmap
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -233,14 +234,24 @@ def resident_bytes(path: Path) -> int:
         os.close(fd)
 
 
-def test_the_tiers_files_leave_the_page_cache_once_written(tmp_path):
+@pytest.fixture
+def disk_path(tmp_path):
+    """A scratch directory on a file system whose pages can be dropped: tmp_path, or,
+    where that is a tmpfs (which keeps every page), one beside the checkout."""
+    kind = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    if kind != "tmpfs":
+        yield tmp_path
+        return
+    with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parent) as directory:
+        yield Path(directory)
+
+
+def test_the_tiers_files_leave_the_page_cache_once_written(disk_path):
     """What the write-through stores is in RAM already, and in the page cache of the
     mount's file: the tier's own file keeps no pages once durable (chunk files, and
     block files written in a batch)."""
-    if subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True,
-                      text=True).stdout.strip() == "tmpfs":
-        pytest.skip("tmpfs keeps every page: run the tests on a disk file system")
-    directory, blocks, _, disk = fresh_tier(tmp_path, 8)
+    directory, blocks, _, disk = fresh_tier(disk_path, 8)
     (large, large_data), = files(1, seed=1, size=MiB).items()  # a block file of its own
     assert disk.put_many([*batch(blocks), (large, large_data, 0.01)]) == 9
     written = cache_files(directory)

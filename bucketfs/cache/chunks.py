@@ -349,8 +349,7 @@ class ChunkStore:
     def _referenced(self, chunk: int) -> None:  # lock held
         key = chunk_key(chunk)
         value = self.space.index.get(key)
-        head = None if value is None else self._head(value)
-        if value is None or head is None:
+        if value is None or (head := self._head(value)) is None:
             return
         batch = WriteBatch(raw_mode=True)
         state = self.space.ranking.referenced(
