@@ -13,8 +13,12 @@ layout and one LARGE_MIB object:
     the tree listed first, as a dataset scan does) and from the page cache; from the
     SSD tier (the cache directory mounted again, RAM and page cache empty, another
     shuffled order);
+    the page cache again read through os.open() in place of Python's open() (which
+    asks the daemon once per file: an IOCTL, for its isatty());
     the same cold and warm passes again with --no-kernel-opens (the daemon answers
     every open, as under a stock pyfuse3);
+  - for every pass, the requests the kernel sent the daemon per file, by kind, where
+    perf and the kernel's FUSE tracepoints allow (bench/harness/fuse_census.py);
   - a cold sequential read of the large object (dd bs=4M) against 8 parallel 8 MiB
     obstore range GETs: MB/s and CPU-s per GiB; the mount's read twice, as the VM gives
     memory and right after fresh memory was touched (`back_memory` says why);
@@ -44,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.fresh_memory import touch
+from bench.harness.fuse_census import Census
 from bench.harness.procstats import cpu_seconds, self_cpu
 from bucketfs.hints.client import Target
 from bucketfs.hints.control import status
@@ -164,6 +169,25 @@ def obstore_large(server: S3Server, key: str, size: int) -> dict[str, Any] | Non
             "mb_per_s": total / wall / 1e6, "cpu_s_per_gib": used / (total / GiB)}
 
 
+def read_with_open(path: Path) -> int:
+    """As a dataset's loader reads a file (PIL and torchvision use `open()`)."""
+    with open(path, "rb") as f:
+        return len(f.read())
+
+
+def read_with_os_open(path: Path) -> int:
+    """The same bytes without Python's `open()`: no `isatty()`, so no IOCTL request (as
+    Python 3.14's `open()` of a regular file)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        total = 0
+        while chunk := os.read(fd, 1 << 20):
+            total += len(chunk)
+        return total
+    finally:
+        os.close(fd)
+
+
 class Mount:
     def __init__(self, server: S3Server, mountpoint: Path, args: list[str],
                  prefix: str = "train") -> None:
@@ -190,21 +214,24 @@ class Mount:
         for directory in sorted({os.path.dirname(rel) for rel in relpaths}):
             os.listdir(self.mountpoint / directory)
 
-    def read_all(self, relpaths: list[str], threads: int) -> dict[str, Any]:
-        def read(rel: str) -> int:
-            with open(self.mountpoint / rel, "rb") as f:
-                return len(f.read())
-
-        cpu = cpu_seconds(self.pid)
-        total, wall = parallel(relpaths, threads, read)
-        # What the reads left queued (write-through to SSD, read-ahead) is their cost
-        # too, not the next pass's: wait for it, then take the CPU.
-        self.settle()
-        used = cpu_seconds(self.pid) - cpu
+    def read_all(self, relpaths: list[str], threads: int,
+                 read: Callable[[Path], int] | None = None) -> dict[str, Any]:
+        """Each file read whole by `read(path)` (Python's `open()` by default), from
+        `threads` threads; the daemon's CPU, and the requests the kernel sent it (by
+        kind, per file) where this machine can count them (harness/fuse_census.py)."""
+        read = read or read_with_open
+        with Census(self.mountpoint) as census:
+            cpu = cpu_seconds(self.pid)
+            total, wall = parallel(relpaths, threads, lambda rel: read(self.mountpoint / rel))
+            # What the reads left queued (write-through to SSD, read-ahead) is their cost
+            # too, not the next pass's: wait for it, then take the CPU.
+            self.settle()
+            used = cpu_seconds(self.pid) - cpu
         return {"files": len(relpaths), "bytes": total, "wall_s": wall,
                 "daemon_cpu_s": used, "cpu_ms_per_file": 1000 * used / len(relpaths),
                 "cpu_s_per_gib": used / (total / GiB), "files_per_s": len(relpaths) / wall,
-                "mb_per_s": total / wall / 1e6, "threads": threads}
+                "mb_per_s": total / wall / 1e6, "threads": threads,
+                "requests_per_file": census.per_file(len(relpaths))}
 
     def settle(self, timeout: float = 120.0) -> None:
         """Wait until the daemon has nothing queued for SSD and nothing read ahead in
@@ -308,6 +335,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             passes["warm, RAM tier, names listed"] = mnt.read_all(rel, args.readers)
             with Profiler(profile, mnt.pid, "warm-pagecache"):
                 passes["warm, page cache"] = mnt.read_all(rel, args.readers)
+            # What is left of the last one once nothing asks the daemon: Python's open()
+            # sends one IOCTL per file (its isatty()); os.open() does not.
+            passes["warm, page cache, os.open"] = mnt.read_all(
+                rel, args.readers, read_with_os_open)
         # The same cache directory mounted again: RAM is empty, so every file comes from
         # the SSD tier, in another shuffled order (as the next epoch's would be).
         reshuffled = list(rel)
@@ -361,15 +392,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def requests_text(per_file: dict[str, float] | None) -> str:
+    """"1.00 IOCTL, 1.00 READ": the kinds sent at least once per 100 files."""
+    if per_file is None:
+        return "not counted"
+    shown = [f"{n:.2f} {kind}" for kind, n in per_file.items() if n >= 0.01]
+    return ", ".join(shown) or "none"
+
+
 def report(results: dict[str, Any]) -> str:
     lines = [f"Machine: {results['machine']}", "",
-             "| data path | CPU per file | files/s | wall |", "| --- | ---: | ---: | ---: |"]
+             "| data path | CPU per file | files/s | wall | FUSE requests per file |",
+             "| --- | ---: | ---: | ---: | --- |"]
     for row in results["clients"]:
         lines.append(f"| {row['client']} (in the reader) | {row['cpu_ms_per_file']:.2f} ms "
-                     f"| {row['files_per_s']:.0f} | {row['wall_s']:.2f} s |")
+                     f"| {row['files_per_s']:.0f} | {row['wall_s']:.2f} s | |")
     for name, row in results["passes"].items():
         lines.append(f"| bucketfs {name} (daemon) | {row['cpu_ms_per_file']:.2f} ms "
-                     f"| {row['files_per_s']:.0f} | {row['wall_s']:.2f} s |")
+                     f"| {row['files_per_s']:.0f} | {row['wall_s']:.2f} s "
+                     f"| {requests_text(row.get('requests_per_file'))} |")
     if results.get("large"):
         lines += ["", "| large object | MB/s | CPU-s per GiB |", "| --- | ---: | ---: |"]
         for row in results["large"]:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness import costs
+from bench.dataplane import requests_text
+from bench.harness import costs, fuse_census
 from bench.harness.contenders import CONTENDERS, parse_contenders
 from bench.harness.dataset import size_summary
 from bench.harness.httpcount import RequestStream, classify
@@ -203,3 +204,29 @@ def test_markdown_report_has_medians_ranges_and_footnotes(tmp_path: Path) -> Non
     assert "error [" in text and "n/a [" in text
     assert "n/a: no daemon" in text and "error: boom" in text
     json.dumps(meta)  # the meta the runner writes is plain JSON
+
+
+# --- the FUSE request census -----------------------------------------------------------
+
+#: `perf script` lines as this kernel (6.18) prints the tracepoint, leading columns cut.
+PERF_SCRIPT = "\n".join(f"python 2251 [000] 59473.6: fuse:fuse_request_send: {event}" for event in (
+    "connection 40 req 8 opcode 1 (FUSE_LOOKUP) len 44",
+    "connection 40 req 12 opcode 14 (FUSE_OPEN) len 48",
+    "connection 40 req 14 opcode 39 (FUSE_IOCTL) len 72",
+    "connection 40 req 16 opcode 15 (FUSE_READ) len 80",
+    "connection 41 req 16 opcode 15 (FUSE_READ) len 80",
+    "connection 40 req 18 opcode 39 (FUSE_IOCTL) len 72",
+))
+
+
+def test_the_census_counts_the_requests_of_its_own_connection_by_kind() -> None:
+    counts = fuse_census.count_requests(PERF_SCRIPT, connection=40)
+    assert counts == {"LOOKUP": 1, "OPEN": 1, "IOCTL": 2, "READ": 1}
+    assert fuse_census.count_requests(PERF_SCRIPT, connection=41) == {"READ": 1}
+    assert fuse_census.count_requests("", connection=40) == {}
+
+
+def test_the_data_path_report_says_which_requests_each_file_cost() -> None:
+    assert requests_text({"IOCTL": 1.0, "READ": 1.0, "OPEN": 0.003}) == "1.00 IOCTL, 1.00 READ"
+    assert requests_text({}) == "none"  # counted, and nothing was asked
+    assert requests_text(None) == "not counted"  # no perf or no tracepoints here
