@@ -19,6 +19,7 @@ import pyfuse3
 
 from bucketfs.backends.base import BackendError, VersionChanged
 from bucketfs.cache.schema import DirEntry
+from bucketfs.logs import Throttle, held_back
 from bucketfs.namespace import Namespace
 from bucketfs.reader import OpenFile, Reader
 
@@ -38,8 +39,18 @@ _READ_STATES_WITH_BLOCKS = 64
 PATCHED_PYFUSE3 = getattr(pyfuse3, "BUCKETFS_PATCH", 0) >= 1
 
 
+#: Requests that failed with EIO since the daemon started, by operation (the metrics
+#: read it): each is counted, and logged at most once a minute per operation and kind
+#: of error (every one at DEBUG), so a client that rereads a file the bucket refuses
+#: cannot fill the log's disk.
+request_failures: collections.Counter[str] = collections.Counter()
+_QUIET_S = 60.0
+_throttle = Throttle(_QUIET_S)
+
+
 def fuse_errors(handler: F) -> F:
     """Translate whatever a handler raises into a FUSEError for the kernel."""
+    operation = handler.__name__
 
     @functools.wraps(handler)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -49,14 +60,22 @@ def fuse_errors(handler: F) -> F:
             raise
         except KeyError:  # an inode this mount never handed out
             raise pyfuse3.FUSEError(errno.ENOENT) from None
-        except BackendError as exc:
-            log.error("%s: %s", handler.__name__, exc)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-        except Exception:
-            log.exception("%s failed", handler.__name__)
+        except Exception as exc:
+            _failed(operation, exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return cast(F, wrapper)
+
+
+def _failed(operation: str, exc: Exception) -> None:
+    request_failures[operation] += 1
+    held = _throttle.admit(f"{operation}: {type(exc).__name__}")
+    if held is None:
+        log.debug("%s failed", operation, exc_info=exc)
+    elif isinstance(exc, BackendError):  # the bucket's answer, already one line
+        log.error("%s: %s%s", operation, exc, held_back(held, _QUIET_S))
+    else:  # a bug: its traceback
+        log.error("%s failed%s", operation, held_back(held, _QUIET_S), exc_info=exc)
 
 
 def _read_only(name: str) -> Callable[..., Awaitable[None]]:

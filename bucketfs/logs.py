@@ -14,6 +14,9 @@ import logging
 import os
 import re
 import sys
+import time
+from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from bucketfs.private import open_private_log
@@ -84,6 +87,35 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }, ensure_ascii=False)
+
+
+class Throttle:
+    """At most one log line per kind of event every `interval` seconds. Why: a client
+    reading, in a loop, a file the bucket refuses would otherwise have the daemon write
+    a line per request, thousands a second, until the log's disk is full. Kinds are few
+    (an operation and an exception class, say), so the memory is bounded."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self.clock = clock
+        self._last: dict[str, float] = {}
+        self._held: Counter[str] = Counter()
+
+    def admit(self, kind: str) -> int | None:
+        """None if a line of this kind was let through less than `interval` ago (this one
+        is held back and counted); else how many were held back since that line."""
+        now = self.clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.interval:
+            self._held[kind] += 1
+            return None
+        self._last[kind] = now
+        return self._held.pop(kind, 0)
+
+
+def held_back(count: int, interval: float) -> str:
+    """The suffix of a line that was held back `count` times before it."""
+    return f" ({count} more like it in the last {interval:.0f} s)" if count else ""
 
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

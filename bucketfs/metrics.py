@@ -55,6 +55,8 @@ Metrics (labels in braces):
   bucketfs_fuse_reads_total                   read requests the kernel sent (its page cache
                                               answers the rest without asking)
   bucketfs_fuse_read_bytes_total              bytes those read requests returned
+  bucketfs_fuse_errors_total{operation}       requests answered EIO (a failure of the
+                                              bucket after the retries, or a bug)
   bucketfs_readahead_prefetches_total         blocks read ahead
   bucketfs_readahead_inflight_bytes           bytes read-ahead has in flight now
   bucketfs_readahead_budget_bytes             most bytes read-ahead may have in flight
@@ -95,7 +97,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from bucketfs import tasks
+from bucketfs import fs, tasks
 from bucketfs.backends.store import LatencyHistogram, ObjectStore
 from bucketfs.cache.shared import SharedTier
 from bucketfs.cache.tiered import BlockCache
@@ -284,6 +286,12 @@ class MountCollector(Collector):
         yield CounterMetricFamily(
             PREFIX + "fuse_read_bytes_total", "Bytes returned to the kernel's read requests.",
             value=reader.bytes_read)
+        errors = _counter("fuse_errors_total",
+                          "Requests answered EIO (the bucket failed after the retries, or a bug).",
+                          ("operation",))
+        for operation, count in sorted(fs.request_failures.items()):
+            errors.add_metric([operation], count)
+        yield errors
 
     def _readahead(self) -> Iterator[Metric]:
         budget = self.reader.budget

@@ -25,7 +25,7 @@ from typing import Any
 
 import trio
 
-from bucketfs import __version__, tasks
+from bucketfs import __version__, fs, tasks
 from bucketfs.backends.store import ObjectStore
 from bucketfs.backends.urls import BucketUrl
 from bucketfs.cache.tiered import BlockCache
@@ -258,6 +258,7 @@ class MountStatus:
             "failed_orders": 0 if prefetch is None else prefetch.failed_orders,
             "failed_prefetches": 0 if prefetch is None else prefetch.last_stats.failed_fetches,
             "background_failures": tasks.failures,
+            "failed_requests": sum(fs.request_failures.values()),
             "warm_errors": self.warm.errors,
         }
 

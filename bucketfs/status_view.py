@@ -175,7 +175,8 @@ def _errors(errors: dict[str, Any]) -> Iterator[str]:
            f"{count(errors['failed_orders'])} · failed prefetches "
            f"{count(errors['failed_prefetches'])} · warm errors "
            f"{count(errors['warm_errors'])} · background failures "
-           f"{count(errors['background_failures'])}")
+           f"{count(errors['background_failures'])} · failed requests "
+           f"{count(errors.get('failed_requests', 0))}")
 
 
 def _warm(job: dict[str, Any]) -> str:

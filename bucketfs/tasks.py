@@ -9,13 +9,13 @@ through untouched, so unmounting still stops everything.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
 from bucketfs.backends.common import one_line
+from bucketfs.logs import Throttle, held_back
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 failures = 0
 #: A failure that repeats is logged at most once a minute per kind of task.
 _QUIET_S = 60.0
-_last_logged: dict[str, float] = {}
+_throttle = Throttle(_QUIET_S)
 
 
 def describe(exc: BaseException) -> str:
@@ -37,10 +37,10 @@ def failed(what: str, exc: BaseException) -> None:
     global failures
     failures += 1
     kind = what.partition(" of ")[0]  # "prefetch of 'a/b.jpg'" and the like: one kind
-    now = time.monotonic()
-    if now - _last_logged.get(kind, -_QUIET_S) >= _QUIET_S:
-        _last_logged[kind] = now
-        log.error("%s failed: %s; the mount goes on", what, describe(exc))
+    held = _throttle.admit(kind)
+    if held is not None:
+        log.error("%s failed: %s; the mount goes on%s", what, describe(exc),
+                  held_back(held, _QUIET_S))
     log.debug("%s failed", what, exc_info=exc)
 
 

@@ -17,6 +17,7 @@ from bucketfs.backends.store import ObjectStore
 from bucketfs.cache.blocks import ObjectRef
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
+from bucketfs.logs import Throttle
 from bucketfs.prefetch.eviction import make_policy
 from tests.membackend import MemoryBackend
 from tests.test_prefetcher import dataset, order, settle, with_daemon
@@ -26,7 +27,7 @@ MiB = 1024**2
 
 @pytest.fixture(autouse=True)
 def fresh_log_limits(monkeypatch):
-    monkeypatch.setattr(tasks, "_last_logged", {})
+    monkeypatch.setattr(tasks, "_throttle", Throttle(tasks._QUIET_S))
 
 
 def test_a_failing_task_is_logged_once_and_the_nursery_goes_on(caplog):

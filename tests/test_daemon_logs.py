@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bucketfs.logs import REDACTED, JsonFormatter, RedactingFilter, redact
+from bucketfs.logs import REDACTED, JsonFormatter, RedactingFilter, Throttle, held_back, redact
 from bucketfs.runtime import mounted as mount_entry
 from tests.mounting import daemon_pid, force_unmount, mounted, read_log
 
@@ -149,3 +149,21 @@ def test_foreground_logs_json_to_stderr(source, tmp_path):
     assert any(line["message"].startswith("mounted ") for line in lines)
     assert PASSWORD not in stderr
     assert os.path.ismount(mnt) is False
+
+
+# --- A repeated failure is logged once a minute ----------------------------------------
+
+
+def test_the_throttle_lets_one_line_of_a_kind_through_per_interval_and_counts_the_rest():
+    now = [100.0]
+    throttle = Throttle(60.0, clock=lambda: now[0])
+    assert throttle.admit("read: TransientError") == 0
+    assert [throttle.admit("read: TransientError") for _ in range(5)] == [None] * 5
+    assert throttle.admit("lookup: TransientError") == 0  # another kind has its own turn
+    now[0] += 59.9
+    assert throttle.admit("read: TransientError") is None
+    now[0] += 0.1
+    assert throttle.admit("read: TransientError") == 6  # what it held back since
+    assert throttle.admit("read: TransientError") is None
+    assert held_back(6, 60.0) == " (6 more like it in the last 60 s)"
+    assert held_back(0, 60.0) == ""

@@ -6,11 +6,14 @@ credentials never reach the logs."""
 from __future__ import annotations
 
 import errno
+import json
 import random
 
 import pytest
 
 from tests.mounting import bucketfs, mounted, read_log
+from tests.servers import free_ports
+from tests.test_fuse_hints import metrics
 
 pytestmark = pytest.mark.fuse
 
@@ -30,12 +33,18 @@ def bucket(s3_server):
 
 
 @pytest.fixture
-def proxied_mount(s3_server, bucket, fault_proxy, tmp_path):
+def metrics_port() -> int:
+    return free_ports(1)[0]
+
+
+@pytest.fixture
+def proxied_mount(s3_server, bucket, fault_proxy, metrics_port, tmp_path):
     proxy = fault_proxy(s3_server.endpoint)
     env = {**s3_server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
     with mounted(f"s3://{bucket}", tmp_path / "mnt", "--addressing-style", "path",
                  "--retry-attempts", "4", "--retry-base-delay", "0.01",
-                 "--retry-max-delay", "0.05", "--read-timeout", "5", env=env) as mnt:
+                 "--retry-max-delay", "0.05", "--read-timeout", "5",
+                 "--metrics-port", str(metrics_port), env=env) as mnt:
         yield proxy, mnt, tmp_path / "mnt.log", s3_server
 
 
@@ -59,12 +68,38 @@ def test_exhausted_retries_fail_that_read_only(proxied_mount):
     assert info.value.errno == errno.EIO
     # The kernel may ask twice (its read-ahead, then the read itself); each request to
     # the daemon spends the whole retry budget, no more.
-    failures = read_log(log_file).count("'broken.bin' [0, 100000) failed after 4 attempts")
+    failures = failed_requests(mnt)
     assert failures >= 1
     assert proxy.count("GET", "broken.bin") == 4 * failures
+    assert "'broken.bin' [0, 100000) failed after 4 attempts" in read_log(log_file)
     # Everything else is still served.
     assert (mnt / "good.bin").read_bytes() == FILES["good.bin"]
     assert (mnt / "large.bin").read_bytes() == FILES["large.bin"]
+
+
+def failed_requests(mnt) -> int:
+    result = bucketfs("status", str(mnt), "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["errors"]["failed_requests"]
+
+
+def test_a_client_rereading_a_refused_file_cannot_flood_the_log(proxied_mount, metrics_port):
+    """Each read fails alone, each is counted, and the log says it once a minute: a
+    line per failed request would let any reader fill the log's disk."""
+    proxy, mnt, log_file, _ = proxied_mount
+    proxy.add_rule(method="GET", path_contains="broken.bin", action="status:403")
+    for _ in range(30):
+        with pytest.raises(OSError) as info:
+            (mnt / "broken.bin").read_bytes()
+        assert info.value.errno == errno.EIO
+    failures = failed_requests(mnt)
+    assert failures >= 30 and proxy.count("GET", "broken.bin") == failures  # no retries
+    assert metrics(metrics_port)['bucketfs_fuse_errors_total{operation="read"}'] == failures
+    lines = [line for line in read_log(log_file).splitlines() if "broken.bin" in line]
+    assert len(lines) == 1, lines
+    assert "ERROR" in lines[0] and "read:" in lines[0]
+    # The mount goes on serving what it can.
+    assert (mnt / "good.bin").read_bytes() == FILES["good.bin"]
 
 
 def test_truncation_never_returns_wrong_bytes(proxied_mount):

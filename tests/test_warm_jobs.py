@@ -15,6 +15,7 @@ import trio
 from bucketfs import tasks, warm
 from bucketfs.backends.base import NotFound
 from bucketfs.cache.blocks import BlockId, ObjectRef
+from bucketfs.logs import Throttle
 from bucketfs.warm import WarmJobs
 
 BLOCK = 100
@@ -177,7 +178,7 @@ def test_a_file_that_fails_is_an_error_and_the_job_goes_on():
 
 def test_a_bug_fails_its_job_with_one_line_and_nothing_else(caplog, monkeypatch):
     monkeypatch.setattr(tasks, "failures", 0)
-    monkeypatch.setattr(tasks, "_last_logged", {})
+    monkeypatch.setattr(tasks, "_throttle", Throttle(tasks._QUIET_S))
     tree, cache = Tree(FILES), Cache()
     cache.fail["a/2"] = RuntimeError("a bug")
 
