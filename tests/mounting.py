@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,3 +117,15 @@ def expected_tree(objects: dict[str, bytes], prefix: str = "") -> dict[str, str]
         elif out.get(path) != "dir":
             out[path] = hashlib.sha256(data).hexdigest()
     return out
+
+
+def metrics(port: int) -> dict[str, float]:
+    """A mount's /metrics on `port`, as {"name{labels}": value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"(bucketfs_[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)", line)
+        if match:
+            values[match[1] + (match[2] or "")] = float(match[3])
+    return values

@@ -11,9 +11,8 @@ import random
 
 import pytest
 
-from tests.mounting import bucketfs, mounted, read_log
+from tests.mounting import bucketfs, metrics, mounted, read_log
 from tests.servers import free_ports
-from tests.test_fuse_hints import metrics
 
 pytestmark = pytest.mark.fuse
 

@@ -9,9 +9,8 @@ import random
 import pytest
 
 from bucketfs.hints import send_order
-from tests.mounting import drop_page_cache, mounted
+from tests.mounting import drop_page_cache, metrics, mounted
 from tests.servers import free_ports
-from tests.test_fuse_hints import metrics
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 

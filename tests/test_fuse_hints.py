@@ -4,9 +4,7 @@ daemon prefetches ahead of it (its metrics show prefetch hits)."""
 
 from __future__ import annotations
 
-import re
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -15,21 +13,10 @@ from torchvision import datasets, transforms
 
 from bucketfs.demo import make_image_dataset
 from bucketfs.hints import HintSampler
-from tests.mounting import bucketfs, drop_page_cache, mounted
+from tests.mounting import bucketfs, drop_page_cache, metrics, mounted
 from tests.servers import free_ports
 
 pytestmark = pytest.mark.fuse
-
-
-def metrics(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        match = re.fullmatch(r"(bucketfs_[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)", line)
-        if match:
-            values[match[1] + (match[2] or "")] = float(match[3])
-    return values
 
 
 def epochs(dataset, sampler, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

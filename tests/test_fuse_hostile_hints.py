@@ -15,9 +15,8 @@ import pytest
 from bucketfs.hints import location
 from bucketfs.hints.client import Target, request
 from bucketfs.hints.protocol import Order
-from tests.mounting import mounted, read_log
+from tests.mounting import metrics, mounted, read_log
 from tests.servers import free_ports
-from tests.test_fuse_hints import metrics
 
 pytestmark = pytest.mark.fuse
 

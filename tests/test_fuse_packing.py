@@ -21,9 +21,15 @@ from torchvision.datasets import DatasetFolder
 from bucketfs.hints import HintSampler, send_order
 from bucketfs.packer import layout_tag
 from tests.crashing import open_index
-from tests.mounting import bucketfs, daemon_pid, drop_page_cache, force_unmount, mounted
+from tests.mounting import (
+    bucketfs,
+    daemon_pid,
+    drop_page_cache,
+    force_unmount,
+    metrics,
+    mounted,
+)
 from tests.servers import free_ports
-from tests.test_fuse_hints import metrics
 from tests.test_packing_next_epoch import chunk_layouts, follows
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]

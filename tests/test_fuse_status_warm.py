@@ -25,9 +25,8 @@ from bucketfs import runtime
 from bucketfs.hints.client import Target
 from bucketfs.hints.control import start_warm, status
 from bucketfs.status import REQUEST_PRICES
-from tests.mounting import bucketfs, drop_page_cache, mounted
+from tests.mounting import bucketfs, drop_page_cache, metrics, mounted
 from tests.servers import free_ports
-from tests.test_fuse_hints import metrics
 
 pytestmark = pytest.mark.fuse
 

@@ -31,9 +31,8 @@ from bucketfs.hints import HintSampler
 from bucketfs.hints.client import end_job, send_order
 from bucketfs.runtime import daemon_pid
 from tests.faultproxy import FaultProxy
-from tests.mounting import mounted
+from tests.mounting import metrics, mounted
 from tests.servers import S3Server, free_ports
-from tests.test_fuse_hints import metrics
 from tests.watchdog import Watchdog
 
 pytestmark = pytest.mark.fuse
