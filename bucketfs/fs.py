@@ -73,9 +73,9 @@ def _failed(operation: str, exc: Exception) -> None:
     if held is None:
         log.debug("%s failed", operation, exc_info=exc)
     elif isinstance(exc, BackendError):  # the bucket's answer, already one line
-        log.error("%s: %s%s", operation, exc, held_back(held, _QUIET_S))
+        log.error("%s: %s%s", operation, exc, held_back(held))
     else:  # a bug: its traceback
-        log.error("%s failed%s", operation, held_back(held, _QUIET_S), exc_info=exc)
+        log.error("%s failed%s", operation, held_back(held), exc_info=exc)
 
 
 def _read_only(name: str) -> Callable[..., Awaitable[None]]:

@@ -113,9 +113,9 @@ class Throttle:
         return self._held.pop(kind, 0)
 
 
-def held_back(count: int, interval: float) -> str:
-    """The suffix of a line that was held back `count` times before it."""
-    return f" ({count} more like it in the last {interval:.0f} s)" if count else ""
+def held_back(count: int) -> str:
+    """The suffix of a line whose kind was held back `count` times since its last line."""
+    return f" ({count} more like it since the last)" if count else ""
 
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -40,7 +40,7 @@ def failed(what: str, exc: BaseException) -> None:
     held = _throttle.admit(kind)
     if held is not None:
         log.error("%s failed: %s; the mount goes on%s", what, describe(exc),
-                  held_back(held, _QUIET_S))
+                  held_back(held))
     log.debug("%s failed", what, exc_info=exc)
 
 
