@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -129,3 +130,10 @@ def metrics(port: int) -> dict[str, float]:
         if match:
             values[match[1] + (match[2] or "")] = float(match[3])
     return values
+
+
+def status_json(mountpoint: Path) -> dict:
+    """`bucketfs status --json` of a mount, parsed."""
+    result = bucketfs("status", str(mountpoint), "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)

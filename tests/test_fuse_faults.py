@@ -6,12 +6,11 @@ credentials never reach the logs."""
 from __future__ import annotations
 
 import errno
-import json
 import random
 
 import pytest
 
-from tests.mounting import bucketfs, metrics, mounted, read_log
+from tests.mounting import bucketfs, metrics, mounted, read_log, status_json
 from tests.servers import free_ports
 
 pytestmark = pytest.mark.fuse
@@ -77,9 +76,7 @@ def test_exhausted_retries_fail_that_read_only(proxied_mount):
 
 
 def failed_requests(mnt) -> int:
-    result = bucketfs("status", str(mnt), "--json")
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)["errors"]["failed_requests"]
+    return status_json(mnt)["errors"]["failed_requests"]
 
 
 def test_a_client_rereading_a_refused_file_cannot_flood_the_log(proxied_mount, metrics_port):

@@ -15,7 +15,7 @@ import pytest
 
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.shared_names import Dataset, SharedNames, block_id, describe
-from tests.mounting import bucketfs, mounted, read_log
+from tests.mounting import bucketfs, mounted, read_log, status_json
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
@@ -67,12 +67,6 @@ def object_gets(proxy) -> int:
     return proxy.count("GET") - proxy.count("GET", "list-type=2")
 
 
-def status(mnt) -> dict:
-    result = bucketfs("status", str(mnt), "--json")
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
-
-
 def shared_objects(s3_server, tier: str) -> dict[str, int]:
     prefix = tier.removeprefix(f"s3://{SHARED}/")
     pages = s3_server.client().get_paginator("list_objects_v2").paginate(
@@ -93,7 +87,7 @@ def test_a_second_node_reads_the_dataset_without_the_origin(s3_server, nodes, tm
     with mounted(f"s3://{ORIGIN}/train", tmp_path / "b", *args("b"), env=env) as mnt:
         read_all(mnt)
         assert object_gets(proxy) == BIG_BLOCKS, "the second node went to the origin"
-        report = status(mnt)
+        report = status_json(mnt)
         shared = report["shared"]
         assert shared["hits"] == SHARED_BLOCKS and shared["invalid"] == 0
         assert shared["errors"] == 0 and shared["up"] is True
@@ -106,11 +100,11 @@ def test_a_second_node_reads_the_dataset_without_the_origin(s3_server, nodes, tm
     with mounted(f"s3://{ORIGIN}/train", tmp_path / "c", *args("c", "--block-size", "2MiB"),
                  env=env) as mnt:
         read_all(mnt)
-        assert status(mnt)["shared"]["hits"] == 0
+        assert status_json(mnt)["shared"]["hits"] == 0
     # And so is another prefix of the same bucket.
     with mounted(f"s3://{ORIGIN}/train/c0", tmp_path / "d", *args("d"), env=env) as mnt:
         assert (mnt / "000.jpg").read_bytes() == FILES["train/c0/000.jpg"]
-        assert status(mnt)["shared"]["hits"] == 0
+        assert status_json(mnt)["shared"]["hits"] == 0
 
 
 def _plant(s3_server, name: str, body: bytes, metadata: dict[str, str]) -> None:
@@ -121,7 +115,7 @@ def test_corrupt_foreign_and_stale_objects_are_misses(s3_server, nodes, tmp_path
     proxy, env, args, tier = nodes
     with mounted(f"s3://{ORIGIN}/train", tmp_path / "a", *args("a"), env=env) as mnt:
         read_all(mnt)
-        source = status(mnt)["mount"]["endpoint"]
+        source = status_json(mnt)["mount"]["endpoint"]
     head = s3_server.client().head_object
     objects = {}
     for key in ("train/c0/000.jpg", "train/c1/001.jpg", "train/c2/002.jpg",
@@ -153,7 +147,7 @@ def test_corrupt_foreign_and_stale_objects_are_misses(s3_server, nodes, tmp_path
     proxy.clear()
     with mounted(f"s3://{ORIGIN}/train", tmp_path / "b", *args("b"), env=env) as mnt:
         read_all(mnt)  # every byte exact
-        shared = status(mnt)["shared"]
+        shared = status_json(mnt)["shared"]
         assert shared["invalid"] == planted
         assert shared["hits"] == SHARED_BLOCKS - planted
         assert object_gets(proxy) == BIG_BLOCKS + planted
@@ -182,7 +176,7 @@ def test_a_shared_tier_that_fails_turns_into_misses(s3_server, nodes, tmp_path,
                  env=env) as mnt:
         read_all(mnt)
         assert object_gets(proxy) == SHARED_BLOCKS + BIG_BLOCKS
-        report = status(mnt)
+        report = status_json(mnt)
         shared = report["shared"]
         assert shared["errors"] >= 1 and shared["up"] is False
         assert shared["hits"] == 0 and shared["writes"] == 0
@@ -207,16 +201,16 @@ def test_the_shared_tier_comes_back(s3_server, nodes, tmp_path, fault_proxy):
     with mounted(f"s3://{ORIGIN}/train", tmp_path / "a", *args("a"), *extra,
                  env=env) as mnt:
         assert (mnt / keys[0]).read_bytes() == FILES[f"train/{keys[0]}"]
-        assert status(mnt)["shared"]["up"] is False
+        assert status_json(mnt)["shared"]["up"] is False
         shared_proxy.restore()
         deadline = time.monotonic() + 20
         index = 1
-        while not status(mnt)["shared"]["up"]:  # resting one second, then tried again
+        while not status_json(mnt)["shared"]["up"]:  # resting one second, then tried again
             assert time.monotonic() < deadline, "the shared tier was never tried again"
             assert (mnt / keys[index]).read_bytes() == FILES[f"train/{keys[index]}"]
             index += 1
             time.sleep(0.3)
-        assert status(mnt)["shared"]["hits"] + status(mnt)["shared"]["misses"] > 0
+        assert status_json(mnt)["shared"]["hits"] + status_json(mnt)["shared"]["misses"] > 0
     assert "answers again" in read_log(tmp_path / "a.log")
 
 
@@ -250,7 +244,7 @@ def settled(mnt, files: int) -> dict:
     """The status once hinted prefetch has started `files` files and none is in flight."""
     deadline = time.monotonic() + 30
     while True:
-        report = status(mnt)
+        report = status_json(mnt)
         prefetch = report["prefetch"]
         if prefetch["started"] >= files and prefetch["in_flight"] == 0:
             return report

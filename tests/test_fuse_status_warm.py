@@ -25,7 +25,7 @@ from bucketfs import runtime
 from bucketfs.hints.client import Target
 from bucketfs.hints.control import start_warm, status
 from bucketfs.status import REQUEST_PRICES
-from tests.mounting import bucketfs, drop_page_cache, metrics, mounted
+from tests.mounting import bucketfs, drop_page_cache, metrics, mounted, status_json
 from tests.servers import free_ports
 
 pytestmark = pytest.mark.fuse
@@ -60,12 +60,6 @@ def origin_seen(proxy) -> dict[str, int]:
 def read_everything(mnt: Path) -> None:
     for name, data in FILES.items():
         assert (mnt / name).read_bytes() == data, name
-
-
-def status_json(mnt: Path) -> dict:
-    result = bucketfs("status", str(mnt), "--json")
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
 
 
 def target(mnt: Path) -> Target:

@@ -57,7 +57,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 from rocksdict import Rdict, WriteBatch
 
@@ -99,6 +99,8 @@ from bucketfs.cache.schema import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Reservation(NamedTuple):
@@ -156,6 +158,15 @@ class _Changes:
     live: int = 0
     unlink: list[Path] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
+
+
+def _decoded(decode: Callable[[bytes], T], value: bytes) -> T | None:
+    """`decode(value)`, or None for a record cut short or garbled (it is then treated
+    as missing)."""
+    try:
+        return decode(value)
+    except (ValueError, struct.error):
+        return None
 
 
 class ChunkStore:
@@ -373,17 +384,11 @@ class ChunkStore:
 
     @staticmethod
     def _head(value: bytes) -> ChunkHead | None:
-        try:
-            return decode_chunk_head(value)
-        except (ValueError, struct.error):
-            return None
+        return _decoded(decode_chunk_head, value)
 
     @staticmethod
     def _parsed(value: bytes) -> ChunkRecord | None:
-        try:
-            return decode_chunk(value)
-        except (ValueError, struct.error):
-            return None
+        return _decoded(decode_chunk, value)
 
     # --- writes -------------------------------------------------------------------------
 
