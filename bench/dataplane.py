@@ -50,6 +50,7 @@ from typing import Any
 from bench.fresh_memory import touch
 from bench.harness.fuse_census import Census
 from bench.harness.procstats import cpu_seconds, self_cpu
+from bench.harness.tree import this_tree
 from bucketfs.hints.client import Target
 from bucketfs.hints.control import status
 from bucketfs.runtime import daemon_pid
@@ -198,7 +199,8 @@ class Mount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         result = bucketfs("mount", f"s3://{BUCKET}/{self.prefix}", str(self.mountpoint),
                           "--addressing-style", "path", *self.args,
-                          "--log-file", f"{self.mountpoint}.log", env=self.server.env())
+                          "--log-file", f"{self.mountpoint}.log",
+                          env={**self.server.env(), **this_tree()})
         if result.returncode != 0:
             raise RuntimeError(result.stderr)
         self.pid = daemon_pid(str(self.mountpoint.resolve()))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from rocksdict import Options, Rdict, WriteBatch
 
+from bench.harness.tree import this_tree
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.listings import TreeIndex
 from bucketfs.cache.schema import (
@@ -96,13 +97,13 @@ def main() -> int:
                  "--cache-dir", str(cache), "--disk-free-floor", "0"]
         umount = [sys.executable, "-m", "bucketfs", "umount", str(mnt)]
         started = time.perf_counter()
-        subprocess.run(mount, check=True)
+        subprocess.run(mount, check=True, env={**os.environ, **this_tree()})
         upgrade_s = time.perf_counter() - started
         pid = int((state_dir(str(mnt)) / "pid").read_text())
         after_upgrade = rss_kib(pid)
         subprocess.run(umount, check=True)
         started = time.perf_counter()
-        subprocess.run(mount, check=True)
+        subprocess.run(mount, check=True, env={**os.environ, **this_tree()})
         mounted_s = time.perf_counter() - started
         pid = int((state_dir(str(mnt)) / "pid").read_text())
         after_mount = rss_kib(pid)

@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.harness.tree import this_tree
 from bucketfs.demo import make_image_dataset
 from bucketfs.runtime import state_dir
 from tests.faultproxy import FaultProxy
@@ -131,7 +132,7 @@ def main() -> int:
         results["large_boto3_single_get_MBps"] = args.large_mib * MiB / seconds / 1e6
 
         with FaultProxy("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])) as proxy:
-            env = {**server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+            env = {**server.env(), "AWS_ENDPOINT_URL": proxy.endpoint, **this_tree()}
             mnt = work / "mnt"
             mnt.mkdir()
 

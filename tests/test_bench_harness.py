@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from bench.dataplane import requests_text
-from bench.harness import costs, fuse_census
+from bench.harness import costs, fuse_census, tree
 from bench.harness.contenders import CONTENDERS, parse_contenders
 from bench.harness.dataset import size_summary
 from bench.harness.httpcount import RequestStream, classify
@@ -230,3 +233,28 @@ def test_the_data_path_report_says_which_requests_each_file_cost() -> None:
     assert requests_text({"IOCTL": 1.0, "READ": 1.0, "OPEN": 0.003}) == "1.00 IOCTL, 1.00 READ"
     assert requests_text({}) == "none"  # counted, and nothing was asked
     assert requests_text(None) == "not counted"  # no perf or no tracepoints here
+
+
+# --- which tree a benchmark's daemon runs -----------------------------------------------
+
+
+def test_a_spawned_daemon_imports_the_benchmarks_own_tree(tmp_path: Path) -> None:
+    """The daemon starts as `python -P -m bucketfs`, which never imports from its current
+    directory: a benchmark run from a second checkout measured the installed code in
+    both arms until `this_tree()` named the checkout. A copy of the package stands in
+    for that second tree."""
+
+    other = tmp_path / "worktree"
+    shutil.copytree(tree.ROOT / "bucketfs", other / "bucketfs",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(tree.ROOT / "bench", other / "bench",
+                    ignore=shutil.ignore_patterns("__pycache__", "results"))
+    probe = "from bench.harness.tree import this_tree; print(this_tree()['PYTHONPATH'])"
+    named = subprocess.run([sys.executable, "-P", "-c", probe], cwd=other, env={
+        "PYTHONPATH": str(other)}, capture_output=True, text=True, check=True).stdout.strip()
+    assert named.split(":")[0] == str(other)
+    imported = subprocess.run(
+        [sys.executable, "-P", "-c", "import bucketfs; print(bucketfs.__file__)"],
+        cwd=tmp_path, env={"PYTHONPATH": named}, capture_output=True, text=True,
+        check=True).stdout.strip()
+    assert imported == str(other / "bucketfs" / "__init__.py")

@@ -19,4 +19,5 @@ Modules, one job each:
   stats       medians and ranges over repeats
   report      results.json, the Markdown tables and the PNG plots
   runner      the orchestration of one run
+  tree        which bucketfs a spawned daemon imports: this checkout's
 """

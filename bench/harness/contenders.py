@@ -21,6 +21,7 @@ from pathlib import Path
 
 from bench.harness.mounts import MountSpec
 from bench.harness.origin import BUCKET, REGION
+from bench.harness.tree import this_tree
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ def _bucketfs(ctx: MountContext, flags: tuple[str, ...]) -> MountSpec:
             str(ctx.mountpoint), "--endpoint-url", ctx.endpoint, "--region", REGION,
             "--addressing-style", "path", *flags]
     env = {**ctx.base_env, "AWS_ACCESS_KEY_ID": ctx.access_key,
-           "AWS_SECRET_ACCESS_KEY": ctx.secret_key, "AWS_EC2_METADATA_DISABLED": "true"}
+           "AWS_SECRET_ACCESS_KEY": ctx.secret_key, "AWS_EC2_METADATA_DISABLED": "true",
+           **this_tree()}
     return MountSpec(argv, ctx.mountpoint, env)
 
 
