@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,3 +138,15 @@ def status_json(mountpoint: Path) -> dict:
     result = bucketfs("status", str(mountpoint), "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
+
+
+def written_through(mountpoint: Path, timeout: float = 10) -> None:
+    """Wait until the mount's SSD tier has nothing queued: the write-through gathers a
+    batch for up to 50 ms before it writes (bucketfs/cache/tiered.py)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ssd = [t for t in status_json(mountpoint)["cache"]["tiers"] if t["name"] == "ssd"]
+        if not ssd or not ssd[0]["write_queue_bytes"]:
+            return
+        assert time.monotonic() < deadline, "the write-through never finished"
+        time.sleep(0.05)

@@ -69,7 +69,7 @@ class Harness:
     @staticmethod
     async def written_through(cache: BlockCache) -> None:
         """Wait until the write-through has written everything it was given (it waits
-        up to 20 ms to gather a batch)."""
+        up to 50 ms to gather a batch)."""
         with trio.fail_after(5):
             while cache.queued:
                 await trio.sleep(0.005)

@@ -63,8 +63,10 @@ def test_ssd_at_half_the_dataset_keeps_what_min_keeps(tmp_path):
     assert FILES <= hinted[0] <= FILES + 20
     # Each later epoch can hit at most what the caches hold when it starts: MIN gets
     # SSD_FILES hits per epoch plus a few from RAM (about 67 GETs). Hinted eviction keeps
-    # what the epoch has yet to read (measured: 70-78 GETs per epoch); the configured
-    # policy alone rotates it out (measured: 127-140 GETs).
+    # what the epoch has yet to read (measured: 59-78 GETs per epoch); the configured
+    # policy alone rotates it out (measured: 127-140 GETs when the SSD tier kept a file
+    # per block; 91-108 since the write-through packs chunks, whose members age and go
+    # together: 1.39-1.55x the hinted epochs' GETs in four runs).
     for count in hinted[1:]:
         assert count <= FILES - 0.9 * SSD_FILES
-    assert sum(plain[1:]) > 1.4 * sum(hinted[1:])
+    assert sum(plain[1:]) > 1.25 * sum(hinted[1:])

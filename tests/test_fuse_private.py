@@ -23,7 +23,7 @@ import pytest
 from bucketfs import runtime
 from bucketfs.hints import location
 from bucketfs.private import UnsafePath, create_private_file, open_private_log, private_directory
-from tests.mounting import bucketfs, mounted, read_log
+from tests.mounting import bucketfs, mounted, read_log, written_through
 from tests.test_chunks import cache_files
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
@@ -88,6 +88,7 @@ def test_another_user_reads_nothing_the_mount_wrote(open_base, monkeypatch):
                  "--disk-free-floor", "0") as mnt:
         for key, data in FILES.items():
             assert (mnt / key).read_bytes() == data
+        written_through(mnt)
         state = runtime.state_dir(str(mnt.resolve()))
         sock = location.socket_path(str(mnt.resolve()))
         assert sock.exists()
@@ -116,6 +117,7 @@ def test_a_cache_group_may_read_the_cache_and_nobody_else(open_base):
                  str(cache), "--cache-group", str(group), "--disk-free-floor", "0") as mnt:
         for key, data in FILES.items():
             assert (mnt / key).read_bytes() == data
+        written_through(mnt)
         blocks = {p.name: str(p) for p in cache_files(cache)}
         assert blocks
         for path in cache.rglob("*"):

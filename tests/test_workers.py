@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 
 import pytest
 import trio
@@ -89,12 +88,34 @@ def test_a_policy_the_operator_chose_is_kept():
     assert seen == [os.SCHED_IDLE]
 
 
-def test_a_worker_is_named_after_what_it_runs():
-    """As trio names its threads (what py-spy and top show), not after the wrapper."""
-    def os_thread_name() -> str:
-        return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+def test_a_cancelled_caller_waits_for_its_worker_and_frees_the_slot():
+    """Cancellation cannot abandon a running worker (its result, a block written or a
+    buffer filled, must not land after the caller has gone): the caller waits for it,
+    then sees the cancellation, and the limiter's slot is free again."""
+    finished = threading.Event()
 
-    async def main() -> str:
-        return await in_worker(os_thread_name)
+    def slow() -> str:
+        threading.Event().wait(0.2)
+        finished.set()
+        return "done"
 
-    assert trio.run(main).startswith("os_thread_name")
+    async def main() -> tuple[bool, bool, int]:
+        limiter = trio.CapacityLimiter(1)
+        with trio.move_on_after(0.02) as scope:
+            await in_worker(slow, limiter=limiter)
+            await trio.lowlevel.checkpoint()
+        return scope.cancelled_caught, finished.is_set(), limiter.borrowed_tokens
+
+    cancelled, finished_first, borrowed = trio.run(main)
+    assert cancelled and finished_first and borrowed == 0
+
+
+def test_a_task_holding_a_slot_may_still_call_a_worker_under_that_limiter():
+    """Each call borrows a slot of its own, as `trio.to_thread.run_sync` does: a task
+    that already holds one of the limiter's slots is not refused a second."""
+    async def main() -> int:
+        limiter = trio.CapacityLimiter(2)
+        async with limiter:
+            return await in_worker(lambda: limiter.borrowed_tokens, limiter=limiter)
+
+    assert trio.run(main) == 2

@@ -53,11 +53,14 @@ _WRITERS = 2
 #: gives the readers up to `_LINGER_S` to queue more: taken as they came, cold reads
 #: made batches of 3.6 blocks on average, and each batch costs a thread hop, a device
 #: flush and an index write (2,000 cold 100 KB files: 0.95 -> 0.87 ms of daemon CPU
-#: each, docs/BENCHMARKS.md). It delays durability by that much, never a read; one
-#: writer gathers at a time, while the other writes.
-_FULL_BLOCKS = 16
-_FULL_BYTES = 8 * 1024**2
-_LINGER_S = 0.02
+#: each, docs/BENCHMARKS.md). A full batch is about one write-through chunk of ~100 KB
+#: files (40 blocks, 3.5 MiB; the chunk's limit is 4 MiB): against 16 blocks, 8 MiB and
+#: 20 ms, 0.635-0.65 -> 0.605-0.625 ms per cold file (BENCHMARKS, step 16). It delays
+#: durability by up to `_LINGER_S`, never a read; one writer gathers at a time, while
+#: the other writes.
+_FULL_BLOCKS = 40
+_FULL_BYTES = 3584 * 1024
+_LINGER_S = 0.05
 
 
 @dataclass(slots=True)
