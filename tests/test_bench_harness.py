@@ -243,7 +243,6 @@ def test_a_spawned_daemon_imports_the_benchmarks_own_tree(tmp_path: Path) -> Non
     directory: a benchmark run from a second checkout measured the installed code in
     both arms until `this_tree()` named the checkout. A copy of the package stands in
     for that second tree."""
-
     other = tmp_path / "worktree"
     shutil.copytree(tree.ROOT / "bucketfs", other / "bucketfs",
                     ignore=shutil.ignore_patterns("__pycache__"))

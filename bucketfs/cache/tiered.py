@@ -55,7 +55,7 @@ _WRITERS = 2
 #: flush and an index write (2,000 cold 100 KB files: 0.95 -> 0.87 ms of daemon CPU
 #: each, docs/BENCHMARKS.md). A full batch is about one write-through chunk of ~100 KB
 #: files (40 blocks, 3.5 MiB; the chunk's limit is 4 MiB): against 16 blocks, 8 MiB and
-#: 20 ms, 0.635-0.65 -> 0.605-0.625 ms per cold file (BENCHMARKS, step 16). It delays
+#: 20 ms, 0.61-0.655 -> 0.60-0.625 ms per cold file (BENCHMARKS, step 16). It delays
 #: durability by up to `_LINGER_S`, never a read; one writer gathers at a time, while
 #: the other writes.
 _FULL_BLOCKS = 40
