@@ -162,7 +162,10 @@ def test_ssd_budget_holds_under_twice_its_size(tmp_path):
     async def body(cache):
         for _ in range(2):
             await h.read_all(cache)
-        await h.written_through(cache)
+            # A write-through batch does not evict chunks of its own (one of 36 blocks
+            # stored 30 and refused 6 without evicting): on a loaded machine the first
+            # pass can come in one or two batches, so room is made by the next pass's.
+            await h.written_through(cache)
         assert cache.disk.evictions > 0 and cache.ram.evictions > 0
 
     h.run(body)
