@@ -143,9 +143,13 @@ def status_json(mountpoint: Path) -> dict:
 def written_through(mountpoint: Path, timeout: float = 10) -> None:
     """Wait until the mount's SSD tier has nothing queued: the write-through gathers a
     batch for up to 50 ms before it writes (bucketfs/cache/tiered.py)."""
+    from bucketfs.hints.client import Target
+    from bucketfs.hints.control import status
+
+    target = Target(str(Path(mountpoint).resolve()), os.getuid())
     deadline = time.monotonic() + timeout
-    while True:
-        ssd = [t for t in status_json(mountpoint)["cache"]["tiers"] if t["name"] == "ssd"]
+    while True:  # the status over the control socket: no CLI process per poll
+        ssd = [t for t in status(target)["cache"]["tiers"] if t["name"] == "ssd"]
         if not ssd or not ssd[0]["write_queue_bytes"]:
             return
         assert time.monotonic() < deadline, "the write-through never finished"

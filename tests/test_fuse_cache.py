@@ -19,8 +19,10 @@ from tests.mounting import (
     daemon_pid,
     drop_page_cache,
     force_unmount,
+    metrics,
     mounted,
     sha256_file,
+    written_through,
 )
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
@@ -173,8 +175,6 @@ def test_full_cache_disk_degrades_without_errors_to_readers(counted, tmp_path):
 
 
 def test_metrics_endpoint_and_cache_commands(counted, tmp_path):
-    import urllib.request
-
     from tests.servers import free_ports
 
     _, env = counted
@@ -185,16 +185,8 @@ def test_metrics_endpoint_and_cache_commands(counted, tmp_path):
         read_everything(mnt)
         drop_page_cache()
         read_everything(mnt)
-        deadline = time.monotonic() + 10
-        while True:  # the write-through may still be writing the last blocks
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                        timeout=10) as reply:
-                text = reply.read().decode()
-            values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                      for line in text.splitlines() if line.startswith("bucketfs_")}
-            if not values["bucketfs_cache_write_queue_bytes"] or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        written_through(mnt)  # the write-through may still be writing the last blocks
+        values = metrics(port)
         # 4 MiB blocks: one per image and three for the 9 MiB object, each fetched once.
         assert values["bucketfs_cache_misses_total"] == 123
         assert values['bucketfs_origin_requests_total{kind="get"}'] == 123
