@@ -487,7 +487,7 @@ async def _set_kernel_readahead(mountpoint: str, size: int) -> None:
 
 #: glibc's M_MMAP_THRESHOLD (malloc.h), and the size from which blocks get their own mmap.
 _M_MMAP_THRESHOLD = -3
-_MMAP_FROM = 256 * 1024
+_MMAP_FROM = 1024 * 1024
 
 
 def _return_freed_blocks_to_the_system() -> None:
@@ -495,8 +495,12 @@ def _return_freed_blocks_to_the_system() -> None:
     threshold to the size of each mmapped block freed (up to 32 MiB), after which such
     blocks come from the heap, whose freed memory it keeps: the daemon's RSS then drifts
     past its cache budgets (195-284 MiB against a 190 MiB bound under tests/test_load.py,
-    147-154 MiB with this). A fixed threshold keeps every block an mmap of its own,
-    returned when freed. Other C libraries: left as they are."""
+    147-154 MiB with this). A fixed threshold keeps every block from 1 MiB an mmap of its
+    own, returned when freed. Not lower: the GET client's own short-lived buffers of a
+    large read are smaller, and as mmaps each came back as fresh pages to fault in (at
+    256 KiB, a cold 1 GiB read cost the daemon 1.37 CPU-s RAM only and 1.84 with the SSD
+    tier, against 1.2 and 1.63-1.75 at 1 MiB; docs/BENCHMARKS.md, step 17). Other C
+    libraries: left as they are."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_FROM)

@@ -233,7 +233,7 @@ class DiskTier(OpensDirectory):
         batch.put(ENTRY + entry, schema.encode_block(record._replace(state=state)))
         self.index.write(batch)
 
-    def _read_verified(self, entry: bytes, length: int, crc: int) -> bytes | None:
+    def _read_verified(self, entry: bytes, length: int, crc: int) -> memoryview | None:
         path = self.block_path(entry)
         try:
             with open(path, "rb") as f:
@@ -248,7 +248,9 @@ class DiskTier(OpensDirectory):
             return self._bad(path, "bad header")
         name_len, data_len, data_crc = _HEADER.unpack_from(raw, len(MAGIC))
         name = raw[header_len:header_len + name_len]
-        data = raw[header_len + name_len:]
+        # A view, not a slice: a slice copies the block (MiBs into fresh pages) to leave
+        # out a header of ~100 bytes, which the view keeps alive instead.
+        data = memoryview(raw)[header_len + name_len:]
         if name != entry or data_len != length or data_crc != crc or len(data) != length:
             return self._bad(path, "names another entry or has the wrong length")
         if crc32(data) != crc:
