@@ -61,6 +61,7 @@ from bucketfs.cache.disk_open import (
     open_error,
 )
 from bucketfs.cache.durable import write_many
+from bucketfs.cache.file_reads import read_whole
 from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.cache.ranking import IndexRanking
 from bucketfs.cache.scans import prefixed
@@ -236,21 +237,20 @@ class DiskTier(OpensDirectory):
     def _read_verified(self, entry: bytes, length: int, crc: int) -> memoryview | None:
         path = self.block_path(entry)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw = read_whole(path, direct=length >= CHUNKED_BELOW)
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("cache: cannot read %s: %s; treating it as a miss", path, exc.strerror)
             return None
         header_len = len(MAGIC) + _HEADER.size
-        if raw[:len(MAGIC)] != MAGIC or len(raw) < header_len:
+        if len(raw) < header_len or bytes(raw[:len(MAGIC)]) != MAGIC:
             return self._bad(path, "bad header")
         name_len, data_len, data_crc = _HEADER.unpack_from(raw, len(MAGIC))
-        name = raw[header_len:header_len + name_len]
+        name = bytes(raw[header_len:header_len + name_len])
         # A view, not a slice: a slice copies the block (MiBs into fresh pages) to leave
         # out a header of ~100 bytes, which the view keeps alive instead.
-        data = memoryview(raw)[header_len + name_len:]
+        data = raw[header_len + name_len:]
         if name != entry or data_len != length or data_crc != crc or len(data) != length:
             return self._bad(path, "names another entry or has the wrong length")
         if crc32(data) != crc:
