@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -86,3 +89,16 @@ def one_file_per_block(monkeypatch: pytest.MonkeyPatch) -> None:
     enough to share a write-through chunk (as with large blocks, or while hints choose
     what is kept). For tests about block files themselves."""
     monkeypatch.setattr("bucketfs.cache.disk.CHUNKED_BELOW", 0)
+
+
+@pytest.fixture
+def disk_path(tmp_path):
+    """A scratch directory on a file system whose pages can be dropped: tmp_path, or,
+    where that is a tmpfs (which keeps every page), one beside the checkout."""
+    kind = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    if kind != "tmpfs":
+        yield tmp_path
+        return
+    with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parent) as directory:
+        yield Path(directory)

@@ -4,7 +4,6 @@ through it where the filesystem refuses direct I/O."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
@@ -13,40 +12,24 @@ from pathlib import Path
 import pytest
 
 from bucketfs.cache import file_reads
+from bucketfs.cache.durable import drop_cached, write_durably
 from bucketfs.cache.file_reads import read_whole
+from tests.test_write_through_chunks import resident_bytes
 
 PAGE = mmap.PAGESIZE
 SIZES = [0, 1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, (1 << 20) + 7, 4 << 20]
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-
 
 def written(path: Path, size: int) -> bytes:
     data = os.urandom(size)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_durably(path, [data])
     return data
-
-
-def pages_cached(path: Path) -> int:
-    """How many of the file's pages the page cache holds (mincore over a private map,
-    which touches none of them)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
-        address = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        pages = -(-size // PAGE)
-        vector = ctypes.create_string_buffer(pages)
-        assert _libc.mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
-        return sum(byte & 1 for byte in vector.raw)
 
 
 def drop_from_page_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        drop_cached(fd)
     finally:
         os.close(fd)
 
@@ -59,17 +42,16 @@ def test_the_whole_file_comes_back_exact(tmp_path, size, direct):
     assert read_whole(path, direct=direct) == data
 
 
-def test_a_direct_read_leaves_nothing_in_the_page_cache(tmp_path):
-    """Needs the temporary directory on a disk filesystem (a tmpfs is all page cache)."""
-    path = tmp_path / "block"
+def test_a_direct_read_leaves_nothing_in_the_page_cache(disk_path):
+    path = disk_path / "block"
     data = written(path, (4 << 20) + 123)
     drop_from_page_cache(path)
-    assert pages_cached(path) == 0, f"{tmp_path} is not on a disk filesystem"
+    assert resident_bytes(path) == 0
     assert read_whole(path) == data
-    assert pages_cached(path) == 0
+    assert resident_bytes(path) == 0
     # Through the page cache, the same read leaves the file there: what the check sees.
     assert read_whole(path, direct=False) == data
-    assert pages_cached(path) > 0
+    assert resident_bytes(path) > 0
 
 
 def test_a_filesystem_that_refuses_direct_opens_is_read_through_the_page_cache(
