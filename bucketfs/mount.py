@@ -346,7 +346,15 @@ async def _serve_namespace(
             # Returns when the kernel ends the session (fusermount -u) or a signal
             # calls terminate(); unmounting an already unmounted path is harmless, and
             # a crash must not leave a stale mount behind.
-            await pyfuse3.main(max_tasks=max(16, 2 * config.max_connections))
+            # As many request workers stay as were ever needed (min_tasks = max_tasks):
+            # with pyfuse3's default of one idle worker, the pool shrank and grew
+            # all the time under concurrent readers, and each worker that came and went
+            # mapped and unmapped its 1 MiB request buffer (0.63 pairs per cold file,
+            # each unmap a TLB shootdown; docs/BENCHMARKS.md, step 20). An idle worker
+            # waits on pyfuse3's read lock; only the pages of its buffer that requests
+            # touched are resident.
+            workers = max(16, 2 * config.max_connections)
+            await pyfuse3.main(min_tasks=workers, max_tasks=workers)
         finally:
             pyfuse3.close(unmount=True)
             clear_pid(info.mountpoint)
