@@ -351,8 +351,9 @@ async def _serve_namespace(
             # all the time under concurrent readers, and each worker that came and went
             # mapped and unmapped its 1 MiB request buffer (0.63 pairs per cold file,
             # each unmap a TLB shootdown; docs/BENCHMARKS.md, step 20). An idle worker
-            # waits on pyfuse3's read lock; only the pages of its buffer that requests
-            # touched are resident.
+            # waits on pyfuse3's read lock. Only the pages of its buffer that requests
+            # touched are resident: a page or two for a READ or LOOKUP, at most 1 MiB
+            # after a large batch of FORGETs, so at most `workers` MiB in all.
             workers = max(16, 2 * config.max_connections)
             await pyfuse3.main(min_tasks=workers, max_tasks=workers)
         finally:
