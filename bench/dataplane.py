@@ -367,6 +367,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["passes"] = passes
         if args.large_mib:
             large_rows = []
+            backing_gib = 3 * -(-args.large_mib // 1024) + 1
             for backed in (False, True):
                 cache_dir = work_dir / f"cache-large-{int(backed)}"
                 with Mount(server, work_dir / "large", [*ram, "--cache-dir", str(cache_dir)],
@@ -374,7 +375,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     drop_page_cache()
                     row = {"memory_backed_first": backed}
                     if backed:
-                        row["backing_cpu_s"] = back_memory(3 * -(-args.large_mib // 1024) + 1)
+                        row["backing_cpu_s"] = back_memory(backing_gib)
                     with Profiler(profile if backed else None, mnt.pid, "large"):
                         large_rows.append(mnt.dd(large.removeprefix("large/")) | row)
             # The last cache directory mounted again: every block from the SSD tier, as a
@@ -383,7 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        prefix="large") as mnt:
                 drop_page_cache()
                 row = {"memory_backed_first": True, "from_ssd_tier": True,
-                       "backing_cpu_s": back_memory(3 * -(-args.large_mib // 1024) + 1)}
+                       "backing_cpu_s": back_memory(backing_gib)}
                 large_rows.append(mnt.dd(large.removeprefix("large/")) | row)
             base = obstore_large(server, large, args.large_mib * MiB)
             if base is not None:

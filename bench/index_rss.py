@@ -96,14 +96,15 @@ def main() -> int:
         mount = [sys.executable, "-m", "bucketfs", "mount", f"file://{bucket}", str(mnt),
                  "--cache-dir", str(cache), "--disk-free-floor", "0"]
         umount = [sys.executable, "-m", "bucketfs", "umount", str(mnt)]
+        daemon_env = {**os.environ, **this_tree()}
         started = time.perf_counter()
-        subprocess.run(mount, check=True, env={**os.environ, **this_tree()})
+        subprocess.run(mount, check=True, env=daemon_env)
         upgrade_s = time.perf_counter() - started
         pid = int((state_dir(str(mnt)) / "pid").read_text())
         after_upgrade = rss_kib(pid)
         subprocess.run(umount, check=True)
         started = time.perf_counter()
-        subprocess.run(mount, check=True, env={**os.environ, **this_tree()})
+        subprocess.run(mount, check=True, env=daemon_env)
         mounted_s = time.perf_counter() - started
         pid = int((state_dir(str(mnt)) / "pid").read_text())
         after_mount = rss_kib(pid)

@@ -27,11 +27,8 @@ def written(path: Path, size: int) -> bytes:
 
 
 def drop_from_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        drop_cached(fd)
-    finally:
-        os.close(fd)
+    with open(path, "rb") as f:
+        drop_cached(f.fileno())
 
 
 @pytest.mark.parametrize("direct", [True, False])

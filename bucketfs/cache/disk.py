@@ -244,7 +244,7 @@ class DiskTier(OpensDirectory):
             log.warning("cache: cannot read %s: %s; treating it as a miss", path, exc.strerror)
             return None
         header_len = len(MAGIC) + _HEADER.size
-        if len(raw) < header_len or bytes(raw[:len(MAGIC)]) != MAGIC:
+        if len(raw) < header_len or raw[:len(MAGIC)] != MAGIC:
             return self._bad(path, "bad header")
         name_len, data_len, data_crc = _HEADER.unpack_from(raw, len(MAGIC))
         name = bytes(raw[header_len:header_len + name_len])
