@@ -134,7 +134,8 @@ def test_a_pass_over_a_chunk_reads_the_members_after_it_in_the_same_pread(tmp_pa
 
 def test_a_hit_re_ranks_its_chunk_and_keeps_the_member_table_byte_for_byte(tmp_path):
     """A hit rewrites only the chunk record's policy state (not a decode and re-encode
-    of its members), and the chunk moves in the eviction order."""
+    of its members), and the chunk moves in the eviction order, once the hits waiting
+    in memory are written (references.py)."""
     blocks = files(5)
     disk = open_tier(tmp_path / "cache")
     assert pack(disk, blocks)
@@ -143,6 +144,8 @@ def test_a_hit_re_ranks_its_chunk_and_keeps_the_member_table_byte_for_byte(tmp_p
     assert ranked_before == [chunk_rank_name(0)]
     rank_keys = [k for k, _ in disk.ranking.head()]
     assert disk.get(list(blocks)[2])[0] == blocks[list(blocks)[2]]
+    assert disk.index[chunk_key(0)] == before and len(disk.references) == 1  # waits
+    disk.references.write()
     after = disk.index[chunk_key(0)]
     old, new = decode_chunk(before), decode_chunk(after)
     assert new.members == old.members and (new.size, new.live, new.cost) == (
@@ -158,6 +161,7 @@ def test_a_hit_re_ranks_its_chunk_and_keeps_the_member_table_byte_for_byte(tmp_p
     shorter.state = shorter.state[:3]
     disk.index[chunk_key(0)] = encode_chunk(shorter)
     assert disk.get(list(blocks)[3])[0] == blocks[list(blocks)[3]]
+    disk.references.write()
     again = decode_chunk(disk.index[chunk_key(0)])
     assert again.members == old.members and len(again.state) == len(new.state)
     disk.close()

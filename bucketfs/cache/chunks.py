@@ -73,6 +73,7 @@ from bucketfs.cache.chunk_files import (
     write_chunk_file,
 )
 from bucketfs.cache.ranking import IndexRanking
+from bucketfs.cache.references import CHUNK_RECORDS, DeferredReferences
 from bucketfs.cache.schema import (
     CHUNK,
     ENTRY,
@@ -95,7 +96,6 @@ from bucketfs.cache.schema import (
     encode_chunk_totals,
     encode_packed,
     is_packed,
-    with_chunk_state,
 )
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,7 @@ class SsdSpace(Protocol):
     index: Rdict
     lock: threading.Lock
     ranking: IndexRanking
+    references: DeferredReferences
     capacity: int
     writable: bool
 
@@ -358,23 +359,7 @@ class ChunkStore:
         return data, ahead_read
 
     def _referenced(self, chunk: int) -> None:  # lock held
-        key = chunk_key(chunk)
-        value = self.space.index.get(key)
-        if value is None or (head := self._head(value)) is None:
-            return
-        batch = WriteBatch(raw_mode=True)
-        state = self.space.ranking.referenced(
-            batch, chunk_rank_name(chunk), head.size, head.cost, head.state)
-        # Only the state changes: the member table is copied as it is, not decoded.
-        updated = with_chunk_state(value, state)
-        if updated is None:
-            record = self._parsed(value)
-            if record is None:
-                return
-            record.state = state
-            updated = encode_chunk(record)
-        batch.put(key, updated)
-        self.space.index.write(batch)
+        self.space.references.hit(chunk_key(chunk), chunk_rank_name(chunk), CHUNK_RECORDS)
 
     def member_entries(self, chunk: int) -> list[bytes]:  # lock held
         """The entries packed in `chunk` (moved-out members included); [] if unknown."""

@@ -64,6 +64,7 @@ from bucketfs.cache.durable import write_many
 from bucketfs.cache.file_reads import read_whole
 from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.cache.ranking import IndexRanking
+from bucketfs.cache.references import BLOCK_RECORDS, DeferredReferences
 from bucketfs.cache.scans import prefixed
 from bucketfs.cache.schema import ENTRY, WRITE_THROUGH, BlockRecord, Member
 from bucketfs.cache.tier import Hit
@@ -128,6 +129,8 @@ class DiskTier(OpensDirectory):
         except Exception as exc:  # rocksdict raises its own exception types
             raise open_error(self.directory, exc) from None
         self.ranking = IndexRanking(self.index, policy)
+        #: Hits ranked in memory, written to the index in batches (references.py).
+        self.references = DeferredReferences(self.index, self.ranking)
         self.chunks = ChunkStore(self, self.directory / "chunks")
         try:
             self._load()
@@ -222,17 +225,8 @@ class DiskTier(OpensDirectory):
         packed = None if value is None else schema.decode_packed(value)
         return None if packed is None or packed.layout == WRITE_THROUGH else packed.layout
 
-    def _referenced(self, entry: bytes) -> None:
-        # Read again under the lock: it may have been evicted or ranked anew meanwhile.
-        value = self.index.get(ENTRY + entry)
-        if value is None:
-            return
-        record = schema.decode_block(value)
-        batch = WriteBatch(raw_mode=True)
-        state = self.ranking.referenced(batch, entry, record.length, record.cost,
-                                        record.state)
-        batch.put(ENTRY + entry, schema.encode_block(record._replace(state=state)))
-        self.index.write(batch)
+    def _referenced(self, entry: bytes) -> None:  # lock held
+        self.references.hit(ENTRY + entry, entry, BLOCK_RECORDS)
 
     def _read_verified(self, entry: bytes, length: int, crc: int) -> memoryview | None:
         path = self.block_path(entry)
@@ -466,6 +460,8 @@ class DiskTier(OpensDirectory):
         shortfall = max(0, self.used + size - self.capacity, self._floor_shortfall(size))
         if shortfall > self.used:
             return False
+        if shortfall > 0:
+            self.references.write()  # the order as the hits left it
         while shortfall > 0:
             victim = self._victim(incoming)
             if victim is None:
@@ -546,6 +542,7 @@ class DiskTier(OpensDirectory):
         with self.lock:
             try:
                 ranking = self.ranking
+                self.references.write()
                 self.chunks.close()
                 batch = WriteBatch(raw_mode=True)
                 # Bytes being written are not on disk: they are not counted as used.

@@ -100,14 +100,33 @@ class IndexRanking:
     def referenced(self, batch: WriteBatch, entry: bytes, size: int, cost: float,
                    saved: tuple[float, ...]) -> tuple[float, ...]:
         """A hit on an entry whose record holds `saved`; returns its new state."""
+        state = self.referenced_later(size, cost, saved)
+        self.moved(batch, entry, size, cost, saved, state)
+        return state
+
+    def referenced_later(self, size: int, cost: float,
+                         saved: tuple[float, ...]) -> tuple[float, ...]:
+        """A hit on an entry in state `saved`: its new state, with no key written yet
+        (`moved` writes them; references.py)."""
         self.clock += 1
         state = self.policy.state_from(size, cost, saved)
-        self._delete_keys(batch, entry, state)
         self._count_gap(state, -1)
         self.policy.reference_state(state, self.clock, self.misses)
         self._count_gap(state, 1)
-        self._put_keys(batch, entry, state)
         return self.policy.saved(state)
+
+    def moved(self, batch: WriteBatch, entry: bytes, size: int, cost: float,
+              old: tuple[float, ...], new: tuple[float, ...]) -> None:
+        """An entry's keys go from its state `old` to `new`."""
+        self._delete_keys(batch, entry, self.policy.state_from(size, cost, old))
+        self._put_keys(batch, entry, self.policy.state_from(size, cost, new))
+
+    def never_moved(self, old: tuple[float, ...], new: tuple[float, ...]) -> None:
+        """Hits that took an entry from `old` to `new` were never written, and the entry
+        went in state `old` (`removed` counted that state's gap): the gap totals as if
+        it had gone in state `new`, as it would have had they been written."""
+        self._count_gap(self.policy.state_from(0, 0.0, old), 1)
+        self._count_gap(self.policy.state_from(0, 0.0, new), -1)
 
     def removed(self, batch: WriteBatch, entry: bytes, size: int, cost: float,
                 saved: tuple[float, ...]) -> None:
