@@ -43,8 +43,8 @@ class RecordForm(Protocol):
     def parts(self, value: bytes) -> tuple[int, float, tuple[float, ...]] | None:
         """(size, cost, state), or None if the record is not of this form."""
 
-    def with_state(self, value: bytes, state: tuple[float, ...]) -> bytes:
-        """The record with its state replaced."""
+    def with_state(self, value: bytes, state: tuple[float, ...]) -> bytes | None:
+        """The record with its state replaced; None if it cannot be rewritten."""
 
 
 class BlockRecords:
@@ -74,11 +74,14 @@ class ChunkRecords:
             return None
         return head.size, head.cost, head.state
 
-    def with_state(self, value: bytes, state: tuple[float, ...]) -> bytes:
+    def with_state(self, value: bytes, state: tuple[float, ...]) -> bytes | None:
         spliced = schema.with_chunk_state(value, state)
         if spliced is not None:
             return spliced
-        record = schema.decode_chunk(value)
+        try:
+            record = schema.decode_chunk(value)
+        except (ValueError, struct.error):  # its head reads, its table is garbled
+            return None
         record.state = state
         return schema.encode_chunk(record)
 
@@ -136,7 +139,10 @@ class DeferredReferences:
             if parts is None or parts[2] != entry.indexed:
                 self.ranking.never_moved(entry.indexed, entry.now)
                 continue
+            updated = entry.form.with_state(value, entry.now)
+            if updated is None:  # left as it is, as a hit written at once left it
+                continue
             size, cost, _ = parts  # as the record says now (a chunk's may have changed)
             self.ranking.moved(batch, entry.name, size, cost, entry.indexed, entry.now)
-            batch.put(key, entry.form.with_state(value, entry.now))
+            batch.put(key, updated)
         self.index.write(batch)
