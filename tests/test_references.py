@@ -23,7 +23,6 @@ NS = "mem://bucket"
 def open_tier(directory: Path, policy: str, limit: int, capacity: int = 3 * MiB) -> DiskTier:
     disk = DiskTier(directory, capacity, make_policy(policy), source=NS, block_size=MiB)
     disk.references = DeferredReferences(disk.index, disk.ranking, limit)
-    disk.chunks.space = disk  # the chunks reach the references through the tier
     return disk
 
 

@@ -3,8 +3,8 @@
 Why: a hit moves its entry in the eviction order, which lives in the index (ranking.py).
 Written at each hit, that cost a read of the record, a rewrite of it (a chunk's record
 holds its member table: kilobytes) and a RocksDB write, all under the tier's lock: a
-third of the CPU of a member read from a chunk, and a sixth of the daemon's CPU per file
-in an epoch read from the SSD tier (docs/BENCHMARKS.md, step 21). Now a hit computes the
+third of the CPU of a member read from a chunk, and a seventh of the daemon's CPU per
+file in an epoch read from the SSD tier (docs/BENCHMARKS.md, step 21). Now a hit computes the
 entry's new state in memory (`IndexRanking.referenced_later`), and the states of every
 entry hit since the last write go to the index in one batch, each record with its rank
 keys:
@@ -64,7 +64,7 @@ class BlockRecords:
 
 
 class ChunkRecords:
-    """A chunk's `C` record: only its head is decoded; the member table is copied as
+    """A chunk's `K` record: only its head is decoded; the member table is copied as
     bytes unless the state changes length (another policy's), which re-encodes it."""
 
     def parts(self, value: bytes) -> tuple[int, float, tuple[float, ...]] | None:
