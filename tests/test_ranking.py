@@ -37,7 +37,9 @@ class Replay:
     def touch(self, key: bytes) -> None:
         size, cost, saved = self.records[key]
         batch = WriteBatch(raw_mode=True)
-        self.records[key] = (size, cost, self.ranking.referenced(batch, key, size, cost, saved))
+        state = self.ranking.referenced_later(size, cost, saved)
+        self.ranking.moved(batch, key, size, cost, saved, state)
+        self.records[key] = (size, cost, state)
         self.index.write(batch)
 
     def remove(self, key: bytes) -> None:

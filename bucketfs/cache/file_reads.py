@@ -16,8 +16,8 @@ they are read as before.
 
 Direct I/O wants the buffer, the offset and the length aligned: the buffer is an
 anonymous mmap (page-aligned), the read starts at 0 and asks for whole pages. Where the
-filesystem refuses (`EINVAL`: tmpfs, some FUSE or network filesystems), the file is
-read through the page cache instead.
+filesystem refuses (`EINVAL`: tmpfs before Linux 6.6, some FUSE or network
+filesystems), the file is read through the page cache instead.
 """
 
 from __future__ import annotations

@@ -97,17 +97,10 @@ class IndexRanking:
             self.cooling[entry] = self.clock
         return self.policy.saved(state)
 
-    def referenced(self, batch: WriteBatch, entry: bytes, size: int, cost: float,
-                   saved: tuple[float, ...]) -> tuple[float, ...]:
-        """A hit on an entry whose record holds `saved`; returns its new state."""
-        state = self.referenced_later(size, cost, saved)
-        self.moved(batch, entry, size, cost, saved, state)
-        return state
-
     def referenced_later(self, size: int, cost: float,
                          saved: tuple[float, ...]) -> tuple[float, ...]:
         """A hit on an entry in state `saved`: its new state, with no key written yet
-        (`moved` writes them; references.py)."""
+        (`moved` writes them, when references.py writes the hits that waited)."""
         self.clock += 1
         state = self.policy.state_from(size, cost, saved)
         self._count_gap(state, -1)
