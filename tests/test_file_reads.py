@@ -14,7 +14,7 @@ import pytest
 from bucketfs.cache import file_reads
 from bucketfs.cache.durable import drop_cached, write_durably
 from bucketfs.cache.file_reads import read_whole
-from tests.test_write_through_chunks import resident_bytes
+from tests.pages import resident_bytes
 
 PAGE = mmap.PAGESIZE
 SIZES = [0, 1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, (1 << 20) + 7, 4 << 20]

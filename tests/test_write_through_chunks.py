@@ -6,9 +6,6 @@ block by block."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.cache.schema import WRITE_THROUGH
 from bucketfs.prefetch.eviction import make_policy
+from tests.pages import resident_bytes
 from tests.test_chunks import (
     LAYOUT_A,
     NS,
@@ -207,29 +205,6 @@ def test_while_orders_are_hinted_blocks_are_kept_or_declined_one_by_one(tmp_path
     assert disk.put_many(batch(files(3, seed=1))) == 3
     assert len(chunk_files(directory)) == 1 and len(block_files(directory)) == 3
     disk.close()
-
-
-def resident_bytes(path: Path) -> int:
-    """How much of the file the page cache holds (mincore over a mapping of it)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    size, page = path.stat().st_size, mmap.PAGESIZE
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        try:
-            pages = (ctypes.c_ubyte * ((size + page - 1) // page))()
-            assert libc.mincore(address, size, pages) == 0, os.strerror(ctypes.get_errno())
-            return sum(p & 1 for p in pages) * page
-        finally:
-            libc.munmap(address, size)
-    finally:
-        os.close(fd)
 
 
 def test_the_tiers_files_leave_the_page_cache_once_written(disk_path):

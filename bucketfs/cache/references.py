@@ -60,7 +60,7 @@ class BlockRecords:
         return record.length, record.cost, record.state
 
     def with_state(self, value: bytes, state: tuple[float, ...]) -> bytes:
-        return schema.encode_block(schema.decode_block(value)._replace(state=state))
+        return schema.with_block_state(value, state)  # `parts` has checked the record
 
 
 class ChunkRecords:

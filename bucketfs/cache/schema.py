@@ -129,6 +129,12 @@ def encode_block(record: BlockRecord) -> bytes:
             + struct.pack(f"<{len(record.state)}d", *record.state))
 
 
+def with_block_state(value: bytes, state: tuple[float, ...]) -> bytes:
+    """The block record `value` with its eviction state replaced (the state is its
+    tail), without decoding the rest."""
+    return value[:_BLOCK.size] + struct.pack(f"<{len(state)}d", *state)
+
+
 def decode_block(value: bytes) -> BlockRecord:
     length, crc, cost = _BLOCK.unpack_from(value)
     rest = value[_BLOCK.size:]
