@@ -270,13 +270,15 @@ def test_with_hints_off_the_socket_still_answers_status_and_warm(tmp_path):
 
 
 NOBODY, GROUP = 65534, 4242
+# The CLI is imported before the privileges are dropped: the interpreter's own library
+# may sit where uid 65534 cannot read (a Python under root's 0700 home, as pyenv puts it).
 AS_NOBODY = """
 import os, sys
+from bucketfs.cli import main
 os.setgroups([int(g) for g in sys.argv[1].split(",") if g])
 os.setgid(65534)
 os.setuid(65534)
 sys.argv = ["bucketfs", *sys.argv[2:]]
-from bucketfs.cli import main
 sys.exit(main())
 """
 
