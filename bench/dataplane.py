@@ -13,6 +13,8 @@ layout and one LARGE_MIB object:
     the tree listed first, as a dataset scan does) and from the page cache; from the
     SSD tier (the cache directory mounted again, RAM and page cache empty, another
     shuffled order);
+    the cold pass again with hints (the readers' order sent first, as HintSampler
+    does; the daemon's CPU taken once it is idle, its packing and prefetch included);
     the page cache again read through os.open() in place of Python's open() (which
     asks the daemon once per file: an IOCTL, for its isatty());
     the same cold and warm passes again with --no-kernel-opens (the daemon answers
@@ -24,7 +26,13 @@ layout and one LARGE_MIB object:
     memory and right after fresh memory was touched (`back_memory` says why); then
     again from the SSD tier, its cache directory mounted anew;
   - the scale runs: files/s and MB/s one daemon serves with each reader count of
-    --scale, cold and warm, with its CPU per file and per GiB.
+    --scale, cold and warm, with its CPU per file and per GiB;
+  - for every pass, the daemon's CPU by thread (/proc/PID/task/*/stat): its event loop
+    (the main thread, where every FUSE request and cache decision runs under the GIL),
+    the other Python threads (the workers), and the rest (obstore's runtime, RocksDB,
+    threads that exited; harness/procstats.py says how they are told apart). The loop is one core
+    at most, so files / loop CPU is the most files/s one daemon can serve however many
+    cores the node has (an upper bound: the GIL shared with the workers may cut it).
 With --profile DIR, py-spy (--gil --native) records the daemon during the cold and warm
 passes (raw collapsed stacks, and a summary of the top frames); sampling slows the
 daemon, so a profiled run's figures are not the ones to report. Needs root (FUSE,
@@ -50,8 +58,9 @@ from typing import Any
 
 from bench.fresh_memory import touch
 from bench.harness.fuse_census import Census
-from bench.harness.procstats import cpu_seconds, self_cpu
+from bench.harness.procstats import cpu_seconds, self_cpu, split_by_thread, thread_cpu
 from bench.harness.tree import this_tree
+from bucketfs.hints import send_order
 from bucketfs.hints.client import Target
 from bucketfs.hints.control import status
 from bucketfs.runtime import daemon_pid
@@ -218,20 +227,33 @@ class Mount:
             os.listdir(self.mountpoint / directory)
 
     def read_all(self, relpaths: list[str], threads: int,
-                 read: Callable[[Path], int] | None = None) -> dict[str, Any]:
+                 read: Callable[[Path], int] | None = None, *,
+                 begin: Callable[[], None] | None = None,
+                 idle: bool = False) -> dict[str, Any]:
         """Each file read whole by `read(path)` (Python's `open()` by default), from
         `threads` threads; the daemon's CPU, and the requests the kernel sent it (by
-        kind, per file) where this machine can count them (harness/fuse_census.py)."""
+        kind, per file) where this machine can count them (harness/fuse_census.py).
+        `begin`: called once the daemon's CPU is taken, before the reads (a hinted
+        pass sends its order there, so the prefetch it starts is the pass's cost).
+        `idle`: also wait for the daemon to stop using CPU (hinted packing and prefetch,
+        which `settle` does not see) before taking its CPU."""
         read = read or read_with_open
         with Census(self.mountpoint) as census:
-            cpu = cpu_seconds(self.pid)
+            cpu, threads_before = cpu_seconds(self.pid), thread_cpu(self.pid)
+            if begin is not None:
+                begin()
             total, wall = parallel(relpaths, threads, lambda rel: read(self.mountpoint / rel))
             # What the reads left queued (write-through to SSD, read-ahead) is their cost
             # too, not the next pass's: wait for it, then take the CPU.
             self.settle()
+            if idle:
+                self.idle()
             used = cpu_seconds(self.pid) - cpu
+            by_thread = split_by_thread(self.pid, threads_before, thread_cpu(self.pid), used)
         return {"files": len(relpaths), "bytes": total, "wall_s": wall,
                 "daemon_cpu_s": used, "cpu_ms_per_file": 1000 * used / len(relpaths),
+                "cpu_ms_per_file_by_thread": {
+                    part: 1000 * seconds / len(relpaths) for part, seconds in by_thread.items()},
                 "cpu_s_per_gib": used / (total / GiB), "files_per_s": len(relpaths) / wall,
                 "mb_per_s": total / wall / 1e6, "threads": threads,
                 "requests_per_file": census.per_file(len(relpaths))}
@@ -249,6 +271,19 @@ class Mount:
                 return
             time.sleep(0.05)
         raise RuntimeError("the daemon never settled")
+
+    def idle(self, quiet_s: float = 0.5, timeout: float = 60.0) -> None:
+        """Wait until the daemon has used no CPU for `quiet_s` (/proc counts in 10 ms
+        ticks; an idle mount uses none)."""
+        deadline = time.monotonic() + timeout
+        last = cpu_seconds(self.pid)
+        while time.monotonic() < deadline:
+            time.sleep(quiet_s)
+            now = cpu_seconds(self.pid)
+            if now == last:
+                return
+            last = now
+        raise RuntimeError("the daemon never went idle")
 
     def dd(self, rel: str) -> dict[str, Any]:
         cpu, began = cpu_seconds(self.pid), time.monotonic()
@@ -342,6 +377,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # sends one IOCTL per file (its isatty()); os.open() does not.
             passes["warm, page cache, os.open"] = mnt.read_all(
                 rel, args.readers, read_with_os_open)
+        # The cold pass again with hints: the readers' order sent first, as a job's
+        # HintSampler sends it (prefetch ahead of the readers; small files packed on SSD
+        # in that order). What the daemon does after the last read (packing, prefetch)
+        # is charged to the pass: it waits until the daemon is idle.
+        with Mount(server, work_dir / "hinted", [*ram, "--cache-dir",
+                                                   str(work_dir / "cache-hinted")]) as mnt:
+            mnt.list_tree(rel)
+
+            def send() -> None:
+                if not send_order([str(mnt.mountpoint / name) for name in rel], epoch=0,
+                                  mount=str(mnt.mountpoint), strict=True):
+                    raise RuntimeError("the daemon refused the order")
+
+            passes["cold, --cache-dir, hints"] = mnt.read_all(rel, args.readers, begin=send,
+                                                              idle=True)
         # The same cache directory mounted again: RAM is empty, so every file comes from
         # the SSD tier, in another shuffled order (as the next epoch's would be).
         reshuffled = list(rel)
@@ -431,16 +481,37 @@ def report(results: dict[str, Any]) -> str:
                 backed = ", from the SSD tier (remounted)" + backed
             lines.append(f"| {row['reader']}{backed} | {row['mb_per_s']:.0f} "
                          f"| {row['cpu_s_per_gib']:.2f} |")
+    lines += ["", "| pass | event loop | worker threads | other threads | files/s one "
+              "event loop allows |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, row in results["passes"].items():
+        lines.append(f"| {name} | {by_thread_text(row)} |")
     lines += ["", "| readers | cold files/s | cold MB/s | cold CPU/file | cold CPU-s/GiB "
-              "| warm files/s | warm MB/s | warm CPU/file |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| cold loop CPU/file | warm files/s | warm MB/s | warm CPU/file "
+              "| warm loop CPU/file |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in results["scale"]:
         c, w = row["cold"], row["warm_ram"]
         lines.append(f"| {row['readers']} | {c['files_per_s']:.0f} | {c['mb_per_s']:.0f} "
                      f"| {c['cpu_ms_per_file']:.2f} ms | {c['cpu_s_per_gib']:.2f} "
-                     f"| {w['files_per_s']:.0f} | {w['mb_per_s']:.0f} "
-                     f"| {w['cpu_ms_per_file']:.2f} ms |")
+                     f"| {loop_ms(c)} | {w['files_per_s']:.0f} | {w['mb_per_s']:.0f} "
+                     f"| {w['cpu_ms_per_file']:.2f} ms | {loop_ms(w)} |")
     return "\n".join(lines) + "\n"
+
+
+def loop_ms(row: dict[str, Any]) -> str:
+    split = row.get("cpu_ms_per_file_by_thread")
+    return "—" if split is None else f"{split['loop']:.3f} ms"
+
+
+def by_thread_text(row: dict[str, Any]) -> str:
+    """"0.310 ms | 0.110 ms | 0.115 ms | 3,226": a pass's CPU per file by thread, and the
+    files/s at which its event loop would fill one core."""
+    split = row.get("cpu_ms_per_file_by_thread")
+    if split is None:
+        return "— | — | — | —"
+    ceiling = f"{1000 / split['loop']:,.0f}" if split["loop"] > 0 else "—"
+    return (f"{split['loop']:.3f} ms | {split['workers']:.3f} ms | {split['other']:.3f} ms "
+            f"| {ceiling}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,18 +3,22 @@ the report. No network shaping, no mounts, no root."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import os
 import random
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from bench.dataplane import requests_text
-from bench.harness import costs, fuse_census, tree
+from bench.dataplane import by_thread_text, requests_text
+from bench.harness import costs, fuse_census, procstats, tree
 from bench.harness.contenders import CONTENDERS, parse_contenders
 from bench.harness.dataset import size_summary
 from bench.harness.httpcount import RequestStream, classify
@@ -257,3 +261,63 @@ def test_a_spawned_daemon_imports_the_benchmarks_own_tree(tmp_path: Path) -> Non
         cwd=tmp_path, env={"PYTHONPATH": named}, capture_output=True, text=True,
         check=True).stdout.strip()
     assert imported == str(other / "bucketfs" / "__init__.py")
+
+
+def _burn(seconds: float) -> None:
+    """Spin until this thread has used `seconds` of CPU."""
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+
+def _burn_and_stay(seconds: float, name: bytes | None, burnt: threading.Event,
+                   release: threading.Event) -> None:
+    """Burn CPU, then stay alive until released: a thread that has exited is gone from
+    /proc/PID/task. `name`: the thread names itself, as native threads (tokio's, RocksDB's)
+    do."""
+    if name is not None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+    _burn(seconds)
+    burnt.set()
+    release.wait(30)
+
+
+def test_the_daemons_cpu_is_split_into_its_loop_its_python_threads_and_the_rest() -> None:
+    pid = os.getpid()
+    assert threading.get_native_id() == pid  # the main thread, as the daemon's loop
+    total_before, before = procstats.cpu_seconds(pid), procstats.thread_cpu(pid)
+    release = threading.Event()
+    burners = []
+    for seconds, name in ((0.4, None), (0.3, b"native-burner")):
+        burnt = threading.Event()
+        thread = threading.Thread(target=_burn_and_stay, args=(seconds, name, burnt, release))
+        thread.start()
+        burners.append((thread, burnt))
+    try:
+        _burn(0.2)
+        for _, burnt in burners:
+            assert burnt.wait(30)
+        after = procstats.thread_cpu(pid)
+        total = procstats.cpu_seconds(pid) - total_before
+    finally:
+        release.set()
+        for thread, _ in burners:
+            thread.join()
+    split = procstats.split_by_thread(pid, before, after, total)
+    # /proc counts in ticks of 10 ms; starting the threads adds a little.
+    assert split["loop"] == pytest.approx(0.2, abs=0.06)
+    assert split["workers"] == pytest.approx(0.4, abs=0.06)  # started after `before`
+    assert split["other"] == pytest.approx(0.3, abs=0.06)
+    assert sum(split.values()) == pytest.approx(total)
+    # A thread gone by the second sample is counted with the rest, not lost.
+    del after[burners[0][0].native_id]
+    gone = procstats.split_by_thread(pid, before, after, total)
+    assert gone["workers"] == pytest.approx(0.0, abs=0.02)
+    assert gone["other"] == pytest.approx(0.7, abs=0.1)
+
+
+def test_the_data_path_report_gives_the_loops_ceiling() -> None:
+    row = {"cpu_ms_per_file_by_thread": {"loop": 0.25, "workers": 0.1, "other": 0.125}}
+    assert by_thread_text(row) == "0.250 ms | 0.100 ms | 0.125 ms | 4,000"
+    assert by_thread_text({}) == "— | — | — | —"

@@ -62,3 +62,43 @@ def peak_rss_mib(pid: int) -> float:
             if line.startswith("VmHWM:"):
                 total_kib += int(line.split()[1])
     return total_kib / 1024
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """User + system seconds of each live thread of process pid, by thread id, with the
+    thread's name (`comm`). A thread that has exited is gone from this map, though the
+    process's own total (`cpu_seconds`) still counts its time."""
+    threads: dict[int, tuple[str, float]] = {}
+    try:
+        tids = [int(entry.name) for entry in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:
+        return threads
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue  # exited between the listing and the read
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        threads[tid] = (name, (int(fields[11]) + int(fields[12])) / _TICK)
+    return threads
+
+
+def split_by_thread(pid: int, before: dict[int, tuple[str, float]],
+                    after: dict[int, tuple[str, float]], total: float) -> dict[str, float]:
+    """The CPU seconds `total` of process pid between two `thread_cpu` samples, split into
+    its main thread (the daemon's event loop), the other Python threads (trio's worker
+    threads: they keep the process's name, where native threads name themselves, as
+    tokio's `tokio-rt-worker` and RocksDB's `rocksdb:low` do) and the rest (native
+    threads, and threads that exited between the samples)."""
+    if pid not in after:
+        return {"loop": 0.0, "workers": 0.0, "other": total}
+
+    def delta(tid: int) -> float:
+        return after[tid][1] - (before[tid][1] if tid in before else 0.0)
+
+    process_name = after[pid][0]
+    loop = delta(pid)
+    workers = sum(delta(tid) for tid, (name, _) in after.items()
+                  if tid != pid and name == process_name)
+    return {"loop": loop, "workers": workers, "other": max(0.0, total - loop - workers)}
