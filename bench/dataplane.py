@@ -29,9 +29,9 @@ layout and one LARGE_MIB object:
     --scale, cold and warm, with its CPU per file and per GiB;
   - for every pass, the daemon's CPU by thread (/proc/PID/task/*/stat): its event loop
     (the main thread, where every FUSE request and cache decision runs under the GIL),
-    the other Python threads (the workers), and the rest (obstore's runtime, RocksDB,
-    threads that exited; harness/procstats.py says how they are told apart). The loop is one core
-    at most, so files / loop CPU is the most files/s one daemon can serve however many
+    trio's worker threads, and the rest (obstore's runtime, RocksDB, threads that
+    exited; harness/procstats.py says how they are told apart). The loop is one core at
+    most, so files / loop CPU is the most files/s one daemon can serve however many
     cores the node has (an upper bound: the GIL shared with the workers may cut it).
 With --profile DIR, py-spy (--gil --native) records the daemon during the cold and warm
 passes (raw collapsed stacks, and a summary of the top frames); sampling slows the

@@ -291,7 +291,9 @@ def test_the_daemons_cpu_is_split_into_its_loop_its_python_threads_and_the_rest(
     burners = []
     for seconds, name in ((0.4, None), (0.3, b"native-burner")):
         burnt = threading.Event()
-        thread = threading.Thread(target=_burn_and_stay, args=(seconds, name, burnt, release))
+        # Named as trio names its workers: from Python 3.14 the OS sees that name.
+        thread = threading.Thread(target=_burn_and_stay, args=(seconds, name, burnt, release),
+                                  name="Trio thread 99")
         thread.start()
         burners.append((thread, burnt))
     try:

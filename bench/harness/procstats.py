@@ -84,13 +84,18 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     return threads
 
 
+#: How trio names its worker threads (the OS name is cut to 15 bytes).
+_WORKER_NAME = "Trio thread"
+
+
 def split_by_thread(pid: int, before: dict[int, tuple[str, float]],
                     after: dict[int, tuple[str, float]], total: float) -> dict[str, float]:
     """The CPU seconds `total` of process pid between two `thread_cpu` samples, split into
-    its main thread (the daemon's event loop), the other Python threads (trio's worker
-    threads: they keep the process's name, where native threads name themselves, as
-    tokio's `tokio-rt-worker` and RocksDB's `rocksdb:low` do) and the rest (native
-    threads, and threads that exited between the samples)."""
+    its main thread (the daemon's event loop), trio's worker threads and the rest
+    (native threads, and threads that exited between the samples). A worker is told by
+    its name: up to Python 3.13 a Python thread keeps the process's, where native
+    threads name themselves (tokio's `tokio-rt-worker`, RocksDB's `rocksdb:low`); from
+    3.14 it carries its Python name, which trio makes "Trio thread N"."""
     if pid not in after:
         return {"loop": 0.0, "workers": 0.0, "other": total}
 
@@ -100,5 +105,5 @@ def split_by_thread(pid: int, before: dict[int, tuple[str, float]],
     process_name = after[pid][0]
     loop = delta(pid)
     workers = sum(delta(tid) for tid, (name, _) in after.items()
-                  if tid != pid and name == process_name)
+                  if tid != pid and (name == process_name or name.startswith(_WORKER_NAME)))
     return {"loop": loop, "workers": workers, "other": max(0.0, total - loop - workers)}
