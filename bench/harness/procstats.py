@@ -8,13 +8,19 @@ from pathlib import Path
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def _read_stat(path: str) -> tuple[str, list[str]] | None:
+    """A process's or thread's `stat`: its name, and the fields after it (None if gone)."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        text = Path(path).read_text()
     except OSError:
         return None
     # The command name is in parentheses and may hold spaces: split after it.
-    return text[text.rindex(")") + 2:].split()
+    return text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    stat = _read_stat(f"/proc/{pid}/stat")
+    return None if stat is None else stat[1]
 
 
 def self_cpu() -> float:
@@ -74,12 +80,10 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     except OSError:
         return threads
     for tid in tids:
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
+        stat = _read_stat(f"/proc/{pid}/task/{tid}/stat")
+        if stat is None:
             continue  # exited between the listing and the read
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
+        name, fields = stat
         threads[tid] = (name, (int(fields[11]) + int(fields[12])) / _TICK)
     return threads
 
