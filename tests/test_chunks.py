@@ -23,10 +23,12 @@ from bucketfs.cache.chunk_files import DATA_START
 from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.schema import (
+    ENTRY,
     STATE_KEY,
     chunk_key,
     chunk_rank_name,
     decode_chunk,
+    decode_packed,
     encode_chunk,
     with_chunk_state,
 )
@@ -247,27 +249,48 @@ def test_whole_chunks_are_evicted_within_the_budget(tmp_path):
     disk.close()
 
 
-def test_emptied_chunks_are_reclaimed_and_a_layout_is_not_written_twice(tmp_path):
+@pytest.mark.parametrize("punches", [True, False])
+def test_emptied_chunks_are_reclaimed_and_a_layout_is_not_written_twice(tmp_path, punches):
+    """A member that moves out leaves a hole in its old chunk (its room comes back at
+    once); where the filesystem cannot punch one, it stays dead bytes until the chunk
+    empties."""
     directory = tmp_path / "cache"
     blocks = files(8)
     ordered = list(blocks)
     disk = open_tier(directory)
+    if not punches:
+        disk.chunks.holes._works = False  # as on a filesystem without PUNCH_HOLE
     assert pack(disk, blocks, LAYOUT_A)
     assert pack(disk, blocks, LAYOUT_A)  # already laid out so: nothing to write
     assert disk.chunks.count == 1 and disk.chunks.next_id == 1
+    old_chunk = chunk_files(directory)[0]
+    allocated_before = allocated(old_chunk)
     # Laid out anew for another order: half now, half later.
     assert pack(disk, {b: blocks[b] for b in reversed(ordered[:4])}, LAYOUT_B)
     assert disk.chunks.count == 2 and len(chunk_files(directory)) == 2
     half = sum(len(blocks[b]) for b in ordered[4:])
     full = sum(map(len, blocks.values()))
-    assert disk.used == 2 * full - half  # the old chunk still holds dead bytes
+    if punches:
+        assert disk.used == full == disk.chunks.data_bytes  # the moved bytes: a hole
+        assert allocated(old_chunk) <= allocated_before - (full - half) + 8 * KiB
+    else:
+        assert disk.used == 2 * full - half  # the old chunk still holds dead bytes
+        assert allocated(old_chunk) == allocated_before
     assert disk.chunks.live_bytes == full
+    for block in ordered[4:]:  # the members left in the old chunk, around the holes
+        forget_reads(disk)
+        assert disk.get(block)[:2] == (blocks[block], 0.01)
     assert pack(disk, {b: blocks[b] for b in reversed(ordered[4:])}, LAYOUT_B)
     assert disk.chunks.count == 2 and len(chunk_files(directory)) == 2  # the old one gone
     assert totals(disk) == (full, 2, full, full)
     for block, data in blocks.items():
         assert disk.get(block)[:2] == (data, 0.01) and disk.packed_layout(block) == LAYOUT_B
     disk.close()
+
+
+def allocated(path: Path) -> int:
+    """Bytes of disk a file takes (holes take none)."""
+    return path.stat().st_blocks * 512
 
 
 @pytest.mark.parametrize("crashed", [False, True])
@@ -531,3 +554,31 @@ def test_shuffled_epochs_are_not_rewritten_and_a_repeated_order_is_laid_out_anew
     assert written[1] == written[0] and written[3] == written[2] > written[1]
     assert count[0] == count[2] == count[3] == len(chunk_files(directory))
     assert backend.calls["get"] == 40
+
+
+def test_a_read_that_finds_a_hole_where_its_member_was_reads_it_where_it_moved(
+        tmp_path, caplog):
+    """A member can move (its old place punched out) between the index read and the
+    pread: that read is a miss without a warning, and `DiskTier.get` reads the member
+    where its record now says, never fetching it again nor dropping it."""
+    directory = tmp_path / "cache"
+    blocks = files(4)
+    first = next(iter(blocks))
+    disk = open_tier(directory)
+    assert pack(disk, blocks, LAYOUT_A)
+    stale = decode_packed(disk.index[ENTRY + disk._entry(first)])
+    read = disk.chunks.read
+
+    def moved_meanwhile(entry, packed, ahead):
+        disk.chunks.read = read  # once
+        assert pack(disk, {first: blocks[first]}, LAYOUT_B)  # punches its old place
+        return read(entry, packed, ahead)
+
+    disk.chunks.read = moved_meanwhile
+    forget_reads(disk)
+    assert disk.get(first)[:2] == (blocks[first], 0.01)
+    assert disk.packed_layout(first) == LAYOUT_B
+    assert disk.chunks.read(disk._entry(first), stale, 0) is None  # the hole: a miss
+    assert "checksum" not in caplog.text
+    assert disk.get(first)[:2] == (blocks[first], 0.01)  # its record left as it is
+    disk.close()

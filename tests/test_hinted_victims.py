@@ -117,12 +117,18 @@ class Tier:
     """A DiskTier of `capacity` blocks, read like the daemon reads: the plan learns of
     the open first, then the tier is asked, and a miss is stored."""
 
-    def __init__(self, path, capacity: int, plans: PrefetchScheduler | None) -> None:
+    def __init__(self, path, capacity: int, plans: PrefetchScheduler | None,
+                 batch: int = 0) -> None:
         self.disk = DiskTier(path, capacity * SIZE, make_policy("cost-lrfu"),
                              source="test", block_size=SIZE)
         self.plans = plans
         if plans is not None:
-            self.disk.hinted = HintedVictims(NextUse(plans).distance)
+            future = NextUse(plans)
+            # With batches, as the daemon does: the plans' read files are candidates too.
+            self.disk.hinted = HintedVictims(future.distance, future.plans if batch else list)
+        #: Misses stored `batch` at a time through the write-through's path (chunks).
+        self.batch = batch
+        self.waiting: list[tuple[BlockId, bytes, float]] = []
 
     def read(self, key: str) -> bool:
         if self.plans is not None:
@@ -131,8 +137,19 @@ class Tier:
         if self.disk.get(block) is not None:
             return True
         # Not stored when it is used later than anything it would evict (MIN's rule)
-        self.disk.put(block, key.encode().ljust(SIZE, b"."), 0.01)
+        data = key.encode().ljust(SIZE, b".")
+        if not self.batch:
+            self.disk.put(block, data, 0.01)
+            return False
+        self.waiting.append((block, data, 0.01))
+        if len(self.waiting) == self.batch:
+            self.flush()
         return False
+
+    def flush(self) -> None:
+        if self.waiting:
+            self.disk.put_many(self.waiting)
+            self.waiting = []
 
 
 def epochs(seed: int, files: int, count: int) -> list[list[str]]:
@@ -147,6 +164,8 @@ def replay(tier: Tier, orders: list[list[str]]) -> list[int]:
         if tier.plans is not None:  # each epoch's order arrives at its start
             tier.plans.set_order("job", [(key, SIZE) for key in order])
         hits.append(sum(tier.read(key) for key in order))
+        if tier.batch:
+            tier.flush()
     return hits
 
 
@@ -165,6 +184,29 @@ def test_shuffled_epochs_keep_what_min_keeps(tmp_path, seed: int) -> None:
     for got in hinted[1:]:
         assert got >= 0.95 * capacity
     assert sum(plain[1:]) < 0.9 * sum(hinted[1:])  # cost-lrfu alone: below MIN
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_write_through_chunks_keep_what_min_keeps(tmp_path, seed: int) -> None:
+    # The same epochs stored as the daemon's write-through stores them: batches of 8
+    # misses, each a chunk. The members of a chunk have different next uses, so they are
+    # admitted and evicted one by one (their room punched out of the chunk), as block
+    # files were.
+    files, capacity = 400, 200
+    orders = epochs(seed, files, 4)
+    plans = PrefetchScheduler(window_bytes=16 * SIZE, budget_bytes=10**12)
+    tier = Tier(tmp_path / "hinted", capacity, plans, batch=8)
+    hinted = replay(tier, orders)
+    assert hinted[0] == 0
+    for got in hinted[1:]:
+        assert got >= 0.95 * capacity
+    directory = tmp_path / "hinted"
+    assert not list((directory / "data").rglob("*.blk"))
+    assert list((directory / "chunks").glob("*.chk"))
+    assert tier.disk.used <= capacity * SIZE
+    assert tier.disk.chunks.live_bytes == tier.disk.used  # every member gone is a hole
+    whole = replay(Tier(tmp_path / "whole", capacity, plans), orders)  # block by block
+    assert sum(hinted[1:]) >= 0.97 * sum(whole[1:])
 
 
 def test_files_in_a_reader_window_are_never_evicted(tmp_path) -> None:

@@ -2,7 +2,7 @@
 small fetched blocks is one chunk file, not a file per block; what the tier holds
 already stays where it is; the budget, a crash and damage are handled as for packed
 chunks; packing by a hinted order still moves them; hinted eviction keeps its choice
-block by block."""
+block by block, evicting a member alone by punching it out of its chunk."""
 
 from __future__ import annotations
 
@@ -11,17 +11,21 @@ from pathlib import Path
 import pytest
 
 from bucketfs.cache import chunks
+from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.chunk_files import DATA_START
 from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.hinted_victims import HintedVictims
 from bucketfs.cache.schema import WRITE_THROUGH
 from bucketfs.prefetch.eviction import make_policy
+from bucketfs.prefetch.next_use import NextUse
+from bucketfs.prefetch.scheduler import PrefetchScheduler
 from tests.pages import resident_bytes
 from tests.test_chunks import (
     LAYOUT_A,
     NS,
     KiB,
     MiB,
+    allocated,
     as_if_crashed,
     block_files,
     cache_files,
@@ -191,19 +195,71 @@ def test_the_write_through_tag_is_not_a_layout(tmp_path):
     disk.close()
 
 
-def test_while_orders_are_hinted_blocks_are_kept_or_declined_one_by_one(tmp_path):
-    """Hinted eviction weighs each block's next use against its victim: a chunk would
-    make that choice for all of its members at once, so the batch stays block files."""
+def hinted_tier(directory: Path, count: int, capacity_blocks: int):
+    """An SSD tier whose victims a plan chooses (as the daemon's, with hints), and the
+    blocks of that plan's `count` files of 8 KiB, in its order."""
+    keys = [f"img/{i:02d}.jpg" for i in range(count)]
+    plans = PrefetchScheduler(window_bytes=2 * 8 * KiB, budget_bytes=10**12)
+    plans.set_order("job", [(key, 8 * KiB) for key in keys])
+    future = NextUse(plans)
+    disk = DiskTier(directory, capacity_blocks * 8 * KiB, make_policy("cost-lrfu"),
+                    source=NS, block_size=MiB,
+                    hinted=HintedVictims(future.distance, future.plans))
+    blocks = [BlockId(key, "v1", 0, size=8 * KiB) for key in keys]
+    return disk, plans, blocks
+
+
+def data_of(block: BlockId) -> bytes:
+    return block.key.encode().ljust(8 * KiB, b"#")
+
+
+def test_while_orders_are_hinted_members_are_evicted_one_by_one(tmp_path):
+    """A write-through chunk's members were fetched together, not laid out for an
+    order, so their next uses differ: hinted eviction takes the one a reader has read
+    and keeps its neighbour, punching the read one's bytes out of the chunk file."""
     directory = tmp_path / "cache"
-    plans: list[object] = []
-    hinted = HintedVictims(lambda key: None, lambda: plans)
-    disk = DiskTier(directory, 64 * MiB, make_policy("cost-lrfu"), source=NS,
-                    block_size=MiB, hinted=hinted)
-    assert disk.put_many(batch(files(3))) == 3
-    assert len(chunk_files(directory)) == 1
-    plans.append(object())  # a job sent its order
-    assert disk.put_many(batch(files(3, seed=1))) == 3
-    assert len(chunk_files(directory)) == 1 and len(block_files(directory)) == 3
+    disk, plans, blocks = hinted_tier(directory, 50, capacity_blocks=40)
+    # Fetched in pairs that the order reads far apart: chunk i holds files i and 20 + i.
+    fetched = [b for pair in zip(blocks[:20], blocks[20:40], strict=True) for b in pair]
+    assert disk.put_many([(b, data_of(b), 0.01) for b in fetched]) == 40
+    assert len(chunk_files(directory)) == 20 and not block_files(directory)  # in pairs
+    assert disk.used == disk.capacity
+    before = sum(map(allocated, chunk_files(directory)))
+    for block in blocks[:10]:  # read: what MIN evicts first, its next use the farthest
+        plans.observe_read(block.key, job="job")
+    coming = blocks[40:50]  # used before anything left on the tier is used again
+    assert disk.put_many([(b, data_of(b), 0.01) for b in coming]) == 10
+    assert not any(disk.holds(b) for b in blocks[:10])
+    assert all(disk.holds(b) for b in blocks[10:50])  # the read ones' neighbours kept
+    assert disk.used == disk.capacity == disk.chunks.live_bytes
+    assert sum(map(allocated, chunk_files(directory)[:20])) <= before - 10 * 4 * KiB
+    forget_reads(disk)
+    assert all(disk.get(b)[0] == data_of(b) for b in blocks[10:50])
+    disk.close()
+    as_if_crashed(directory)  # the recount finds what the tier counted
+    again = open_tier(directory, capacity=40 * 8 * KiB)
+    assert (again.used, again.chunks.live_bytes) == (disk.capacity, disk.capacity)
+    assert all(again.get(b)[0] == data_of(b) for b in blocks[10:50])
+    again.close()
+
+
+def test_a_hinted_member_used_later_than_everything_stored_is_declined(tmp_path):
+    directory = tmp_path / "cache"
+    disk, _, blocks = hinted_tier(directory, 48, capacity_blocks=40)
+    assert disk.put_many([(b, data_of(b), 0.01) for b in blocks[:40]]) == 40
+    # Nothing read yet: every file stored is used before these two, so MIN keeps them.
+    assert disk.put_many([(b, data_of(b), 0.01) for b in blocks[46:48]]) == 0
+    assert not any(disk.holds(b) for b in blocks[46:48])
+    assert all(disk.holds(b) for b in blocks[:40]) and disk.evictions == 0
+    disk.close()
+
+
+def test_where_holes_cannot_be_punched_hinted_blocks_are_block_files(tmp_path):
+    directory = tmp_path / "cache"
+    disk, _, blocks = hinted_tier(directory, 4, capacity_blocks=40)
+    disk.chunks.holes._works = False  # as on a filesystem without PUNCH_HOLE
+    assert disk.put_many([(b, data_of(b), 0.01) for b in blocks]) == 4
+    assert len(block_files(directory)) == 4 and not chunk_files(directory)
     disk.close()
 
 

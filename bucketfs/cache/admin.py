@@ -129,7 +129,8 @@ def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
     Keys: `directory`, `entries` and `bytes` (indexed blocks and their data bytes),
     `packed_entries` (those of them packed in chunk files), `block_files` and
     `file_bytes` (block files under data/, headers included), `chunk_files` and
-    `chunk_bytes` (chunk files under chunks/, dead members and headers included),
+    `chunk_bytes` (chunk files under chunks/, their length: dead members, holes and
+    headers included),
     `index_bytes` (the RocksDB index on disk), `listings` (directory listings kept for
     remounts), `counters` (the totals saved by `save_counters`, {} if none)."""
     path = Path(directory)

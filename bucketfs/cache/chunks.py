@@ -18,19 +18,21 @@ member starts no read-ahead pass (the next member is whatever was fetched next);
 that continues where the last stopped does.
 
 Eviction ranks and evicts whole chunks. A chunk is one entry of the tier's policy: its
-size is its data bytes, its refetch cost the sum of its members', and it is referenced
-whenever one of its members is read from SSD. Why whole chunks: the members of a chunk
-are read together (one pread serves the rest), so they share a future; and a chunk file
-is never rewritten, so evicting one member would free no space until a compactor
-copied the survivors, extra writes and code for nothing the next epoch needs. One rank
-key per chunk also keeps the eviction order small. The granularity (a few MiB) is
-small next to an SSD budget.
+size is the bytes it counts in the budget, its refetch cost the sum of its members', and
+it is referenced whenever one of its members is read from SSD. Why whole chunks: the
+members of a chunk laid out for an order are read together (one pread serves the rest),
+so they share a future, and one rank key per chunk keeps the eviction order small. The
+granularity (a few MiB) is small next to an SSD budget. One exception: while hinted
+orders choose what the tier keeps, the members of a write-through chunk, which were only
+fetched together, are evicted one by one (disk.py), each leaving a hole (below).
 
 Reclaiming: a member stops being live when it is packed again in another chunk (the
-log laid out anew for a new order), removed, or found damaged. A chunk whose live bytes
-reach zero is deleted in the same batch that took its last member. A chunk with some
-dead bytes keeps them until its last member leaves or it is evicted (the budget counts
-a chunk's data bytes, dead ones included, until its file is gone).
+log laid out anew for a new order), evicted alone, removed, or found damaged. A chunk
+whose live bytes reach zero is deleted in the same batch that took its last member. In
+a chunk that stays, the member's bytes are punched out of the file (chunk_holes.py), and
+the chunk's size, rank and cost shrink by them in that batch; where the filesystem
+cannot punch holes they stay dead bytes, counted in the budget until the chunk's file
+is gone.
 
 Durability: the chunk file is written as `.tmp`, fsynced and renamed, then ONE
 WriteBatch adds the chunk record, its rank keys and every member's record, and removes
@@ -53,15 +55,13 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol, TypeVar
+from typing import TypeVar
 
-from rocksdict import Rdict, WriteBatch
+from rocksdict import WriteBatch
 
-from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.checksum import crc32
 from bucketfs.cache.chunk_files import (
     DATA_START,
@@ -72,8 +72,9 @@ from bucketfs.cache.chunk_files import (
     chunk_file_name,
     write_chunk_file,
 )
-from bucketfs.cache.ranking import IndexRanking
-from bucketfs.cache.references import CHUNK_RECORDS, DeferredReferences
+from bucketfs.cache.chunk_holes import Holes
+from bucketfs.cache.chunk_space import Admit, Decision, Reservation, SsdSpace
+from bucketfs.cache.references import CHUNK_RECORDS
 from bucketfs.cache.schema import (
     CHUNK,
     ENTRY,
@@ -101,47 +102,6 @@ from bucketfs.cache.schema import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class Reservation(NamedTuple):
-    """Room asked of the SSD tier's budget for one write."""
-
-    #: What is being written (an entry's name, a chunk's rank name) and its file.
-    name: bytes
-    path: Path
-    #: Bytes it will count in the budget, and how many of them need new room (a chunk
-    #: of files already stored as blocks gives their room back when it is indexed).
-    size: int
-    room: int
-    #: The object keys coming in (hinted eviction weighs them against its victims).
-    incoming: Sequence[str]
-
-
-#: What a write decides under the lock: a Reservation, or True (nothing to write: it is
-#: there already) or False (not stored).
-Decision = Reservation | bool
-
-
-class SsdSpace(Protocol):
-    """What ChunkStore needs of the SSD tier (disk.py's DiskTier)."""
-
-    index: Rdict
-    lock: threading.Lock
-    ranking: IndexRanking
-    references: DeferredReferences
-    capacity: int
-    writable: bool
-
-    def store(self, decide: Callable[[], Decision], write: Callable[[Reservation], None],
-              index: Callable[[Reservation], int]) -> bool: ...
-
-    def count_used(self, size: int) -> None: ...
-
-    def step_aside(self, exc: Exception) -> None: ...
-
-    def block_of(self, entry: bytes) -> BlockId | None: ...
-
-    def block_path(self, entry: bytes) -> Path: ...
 
 
 def _block_record(value: bytes | None) -> bool:
@@ -185,6 +145,7 @@ class ChunkStore:
         self.next_id = 0
         self._files = OpenChunks(self.path)
         self._passes = Passes()
+        self.holes = Holes(directory)
         #: During a recovery scan: chunk id -> the live bytes its members add up to.
         self._recount: dict[int, int] | None = None
 
@@ -340,9 +301,12 @@ class ChunkStore:
             self._passes.finished(packed.chunk, stop, mine, raw)
         data = raw[:packed.length]
         if len(data) != packed.length or crc32(data) != packed.crc:
-            log.warning("cache: a member of %s fails its checksum; treating it as a miss",
-                        self.path(packed.chunk))
             with space.lock:
+                value = space.index.get(ENTRY + entry)
+                if value is None or decode_packed(value) != packed:
+                    return None  # moved or evicted meanwhile: its hole, not damage
+                log.warning("cache: a member of %s fails its checksum; treating it as a "
+                            "miss", self.path(packed.chunk))
                 self.forget_member(entry, packed)
             return None
         ahead_read = []
@@ -387,15 +351,17 @@ class ChunkStore:
             raise ValueError("that layout tag is the write-through's")
         return self._write(members, layout, replace=True) is not None
 
-    def write_through(self, members: Sequence[tuple[bytes, bytes, float]]) -> int:
+    def write_through(self, members: Sequence[tuple[bytes, bytes, float]],
+                      admit: Admit | None = None) -> int:
         """Store fetched blocks (entry, bytes, cost) as one chunk in the order they came
         (tagged `WRITE_THROUGH`): one file instead of one per block. An entry the tier
-        holds already, in any form, is left where it is. How many of them the tier now
+        holds already, in any form, is left where it is. `admit`: room is made for each
+        member in turn, and one it declines is left out. How many of them the tier now
         holds (0: none, no room or the tier steps aside)."""
-        return self._write(members, WRITE_THROUGH, replace=False) or 0
+        return self._write(members, WRITE_THROUGH, replace=False, admit=admit) or 0
 
     def _write(self, members: Sequence[tuple[bytes, bytes, float]], layout: bytes, *,
-               replace: bool) -> int | None:
+               replace: bool, admit: Admit | None = None) -> int | None:
         """`write` (`replace`: move entries stored otherwise here) or `write_through`;
         how many members the tier holds afterwards, None if nothing was stored."""
         space = self.space
@@ -405,32 +371,37 @@ class ChunkStore:
                 unique.setdefault(entry, (data, cost))
         if not space.writable or not unique:
             return None
-        chunk, kept = -1, []
+        chunk, kept, declined = -1, [], 0
 
         def decide() -> Decision:  # lock held
-            nonlocal chunk, kept
+            nonlocal chunk, kept, declined
             if replace:
                 kept = [(e, d, c) for e, (d, c) in unique.items()
                         if not self._laid_out(e, layout)]
             else:
                 kept = [(e, d, c) for e, (d, c) in unique.items()
                         if space.index.get(ENTRY + e) is None]
+            if admit is not None and kept:  # room made member by member, or declined
+                verdicts = admit([(e, len(d)) for e, d, _ in kept])
+                declined = verdicts.count(False)
+                kept = [m for m, taken in zip(kept, verdicts, strict=True) if taken]
             if not kept:
-                return True
+                return not declined
             size = sum(len(d) for _, d, _ in kept)
             if size > space.capacity:
                 return False
-            # Members stored as block files give their room back in the batch that
-            # indexes the chunk: a re-layout needs room only for what is new here,
-            # and only what is new is weighed against what it would evict.
+            # Members stored as block files, or in a chunk that punches holes, give
+            # their room back in the batch that indexes the chunk: a re-layout needs
+            # room only for what is new here, and only what is new is weighed against
+            # what it would evict.
             stored = {e for e, _, _ in kept
-                      if replace and _block_record(space.index.get(ENTRY + e))}
+                      if replace and self._gives_room_back(space.index.get(ENTRY + e))}
             new = [(e, d) for e, d, _ in kept if e not in stored]
             chunk = self.next_id
             self.next_id += 1
             return Reservation(
                 chunk_rank_name(chunk), self.path(chunk), size,
-                sum(len(d) for _, d in new),
+                0 if admit is not None else sum(len(d) for _, d in new),
                 [b.key for b in map(space.block_of, (e for e, _ in new)) if b])
 
         def write(reservation: Reservation) -> None:
@@ -444,7 +415,12 @@ class ChunkStore:
             return reservation.size
 
         # Stored: each member is here, or was stored meanwhile by another write.
-        return len(unique) if space.store(decide, write, index) else None
+        return len(unique) - declined if space.store(decide, write, index) else None
+
+    def _gives_room_back(self, value: bytes | None) -> bool:  # lock held
+        """Whether an entry's room comes back when it moves: a block file, or a member
+        of a chunk that stays, when holes can be punched."""
+        return _block_record(value) or (value is not None and self.holes.work)
 
     def _laid_out(self, entry: bytes, layout: bytes) -> bool:  # lock held
         value = self.space.index.get(ENTRY + entry)
@@ -459,7 +435,7 @@ class ChunkStore:
         indexed (0: none, and nothing was written to the index)."""
         space = self.space
         batch, changes = WriteBatch(raw_mode=True), _Changes()
-        moved: dict[int, int] = {}  # older chunk -> bytes of it that move here
+        moved: dict[int, list[Packed]] = {}  # older chunk -> its members that move here
         table: list[Member] = []
         offset = 0
         for entry, data, cost in kept:
@@ -469,7 +445,7 @@ class ChunkStore:
                 continue
             packed = None if old is None else decode_packed(old)
             if packed is not None:
-                moved[packed.chunk] = moved.get(packed.chunk, 0) + packed.length
+                moved.setdefault(packed.chunk, []).append(packed)
             elif old is not None:  # a block file: its ranks go, its room comes back
                 record = decode_block(old)
                 space.ranking.removed(batch, entry, record.length, record.cost,
@@ -488,28 +464,42 @@ class ChunkStore:
         batch.put(chunk_key(chunk), encode_chunk(ChunkRecord(size, live, cost, state, table)))
         changes.chunks, changes.data, changes.live = 1, size, live
         keep = {m.entry for m in table}
-        for older, amount in moved.items():
-            self._release(batch, older, amount, changes, keep)
+        for older, leaving in moved.items():
+            self._release(batch, older, leaving, changes, keep)
         space.index.write(batch)
         self._apply(changes)
         return len(table)
 
     # --- reclaiming ---------------------------------------------------------------------
 
-    def _release(self, batch: WriteBatch, chunk: int, amount: int, changes: _Changes,
-                 keep: set[bytes] | frozenset[bytes] = frozenset()) -> None:  # lock held
-        """`amount` bytes of `chunk` stopped being live; drop it if none are left."""
+    def _release(self, batch: WriteBatch, chunk: int, leaving: list[Packed],
+                 changes: _Changes, keep: set[bytes] | frozenset[bytes] = frozenset(),
+                 ) -> None:  # lock held
+        """Members of `chunk` stopped being live: drop it if none are left, else punch
+        them out of its file and shrink it by them (chunk_holes.py)."""
         key = chunk_key(chunk)
         value = self.space.index.get(key)
         record = None if value is None else self._parsed(value)
         if record is None:
             return
+        amount = sum(p.length for p in leaving)
         record.live -= amount
         changes.live -= amount
         if record.live <= 0:
             self._drop_into(batch, chunk, record, changes, keep)
-        else:
-            batch.put(key, encode_chunk(record))
+            return
+        # Punched before the batch is written: a crash between them leaves a member
+        # that reads as zeros, which its CRC32 turns into a miss.
+        if self.holes.punch(self.path(chunk), [(p.offset, p.length) for p in leaving]):
+            cost = max(0.0, record.cost - sum(p.cost for p in leaving))
+            self.space.ranking.resized(batch, chunk_rank_name(chunk), record.size,
+                                       record.cost, record.size - amount, cost,
+                                       record.state)
+            record.size -= amount
+            record.cost = cost
+            changes.freed += amount
+            changes.data -= amount
+        batch.put(key, encode_chunk(record))
 
     def _drop_into(self, batch: WriteBatch, chunk: int, record: ChunkRecord,
                    changes: _Changes, keep: set[bytes] | frozenset[bytes] = frozenset(),
@@ -570,7 +560,7 @@ class ChunkStore:
             return 0  # moved or dropped meanwhile
         batch, changes = WriteBatch(raw_mode=True), _Changes()
         batch.delete(ENTRY + entry)
-        self._release(batch, packed.chunk, packed.length, changes)
+        self._release(batch, packed.chunk, [packed], changes)
         self.space.index.write(batch)
         self._apply(changes)
         return changes.freed

@@ -1,9 +1,11 @@
 """The SSD tier: block files and chunk files under the cache directory, indexed in RocksDB.
 
 What the write-through sends comes in batches (`put_many`): its small blocks go
-together into write-through chunks (chunks.py), unless hinted orders are choosing
-what the tier keeps (`HintedVictims` decides block by block); lone and large blocks
-are block files.
+together into write-through chunks (chunks.py); lone and large blocks are block files.
+While hinted orders choose what the tier keeps, `HintedVictims` still decides block by
+block: room is made for each member of a write-through chunk in turn, and such a member
+is evicted alone, its bytes punched out of the chunk file (chunk_holes.py). Where the
+filesystem cannot punch holes, hinted blocks are block files instead.
 
 Durability, in this order, so a crash at any moment leaves nothing torn under a real
 name: write `NAME.tmp`, flush (one `syncfs` for a batch of blocks, durable.py), rename
@@ -51,7 +53,8 @@ from rocksdict import Options, Rdict, WriteBatch
 from bucketfs.cache import schema
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.checksum import crc32
-from bucketfs.cache.chunks import ChunkStore, Decision, Reservation
+from bucketfs.cache.chunk_space import Decision, Reservation
+from bucketfs.cache.chunks import ChunkStore
 from bucketfs.cache.disk_open import (
     STEP_ASIDE,
     CacheDirError,
@@ -162,7 +165,7 @@ class DiskTier(OpensDirectory):
         """Whether the tier has the block (one index read; no I/O)."""
         return self.index.get(ENTRY + self._entry(block)) is not None
 
-    def get(self, block: BlockId, ahead: int = 0) -> Hit | None:
+    def get(self, block: BlockId, ahead: int = 0, *, again: bool = True) -> Hit | None:
         """The block's bytes, its refetch cost and, when the block is packed in a chunk
         that is being read in order, the blocks after it in the chunk (at most `ahead`
         bytes), read with the same pread and each checked; None on a miss."""
@@ -177,7 +180,10 @@ class DiskTier(OpensDirectory):
                 return self._mismatch(entry)
             found = self.chunks.read(entry, packed, ahead)
             if found is None:
-                return None
+                # Moved to another chunk while it was read (its old place punched out):
+                # read it where it is now rather than fetch it again.
+                moved = again and self.index.get(ENTRY + entry) not in (None, value)
+                return self.get(block, ahead, again=False) if moved else None
             data, following = found
             return Hit(data, packed.cost, self._blocks_of(following))
         try:
@@ -322,13 +328,14 @@ class DiskTier(OpensDirectory):
     def put_many(self, blocks: Sequence[tuple[BlockId, bytes, float]]) -> int:
         """Store blocks durably; how many are stored (already stored counts). Small
         blocks of a batch go into write-through chunks (one file and one flush for up
-        to `WRITE_THROUGH_CHUNK` bytes of them) unless hinted orders are choosing what
-        the tier keeps, which they do block by block; the others are block files, with
-        one flush of the device for all of them."""
+        to `WRITE_THROUGH_CHUNK` bytes of them; while hinted orders choose what the tier
+        keeps, room is made for them one by one); the others are block files, with one
+        flush of the device for all of them."""
         if not self.writable:
             return 0
-        if self.hinted is not None and self.hinted.plans():
-            return self._put_files(blocks)
+        hinted = self.hinted is not None and bool(self.hinted.plans())
+        if hinted and not self.chunks.holes.work:
+            return self._put_files(blocks)  # its members could only leave a chunk together
         # The unmount's flush offers a block both from the write queue and from RAM.
         blocks = list({b: (b, d, c) for b, d, c in blocks}.values())
         # A chunk is evicted whole: small next to the budget.
@@ -349,8 +356,22 @@ class DiskTier(OpensDirectory):
             if len(group) < 2:
                 alone += group
                 continue
-            stored += self.chunks.write_through(self._members(group))
+            stored += self.chunks.write_through(self._members(group),
+                                                self._admit_each if hinted else None)
         return stored + (self._put_files(alone) if alone else 0)
+
+    def _admit_each(self, members: list[tuple[bytes, int]]) -> list[bool]:  # lock held
+        """Room made for each (entry, length) in turn, as for a block file: hinted
+        eviction weighs each one's next use against its victims, and declines one that
+        is used later than all of them."""
+        taken, verdicts = 0, []
+        for entry, length in members:
+            block = self.block_of(entry)
+            # Room for the members taken so far too: they count from the reservation on.
+            admitted = self._make_room(taken + length, [block.key] if block else [])
+            verdicts.append(admitted)
+            taken += length if admitted else 0
+        return verdicts
 
     @staticmethod
     def _check_length(entry: bytes, data: bytes) -> None:
@@ -499,13 +520,17 @@ class DiskTier(OpensDirectory):
 
     def _stored(self, key: str) -> list[tuple[bytes, bytes]]:
         """(rank key, name in the eviction order) of each version and block of `key`
-        here: the block's entry, or the chunk it is packed in. The rank key is left
-        empty: these names come from records that exist, so it is never needed."""
+        here: the block's entry, or the chunk it is packed in; a write-through chunk's
+        member is named alone when holes can be punched (it leaves its chunk alone). The
+        rank key is left empty: these names come from records that exist, so it is
+        never needed."""
         found = []
         for name, value in prefixed(self.index, ENTRY + schema.entry_key_prefix(self.source,
                                                                                  key)):
             packed = schema.decode_packed(value)
-            found.append((b"", name[len(ENTRY):] if packed is None
+            alone = packed is None or (packed.layout == WRITE_THROUGH
+                                       and self.chunks.holes.work)
+            found.append((b"", name[len(ENTRY):] if alone
                           else schema.chunk_rank_name(packed.chunk)))
         return found
 

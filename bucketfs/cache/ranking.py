@@ -114,6 +114,13 @@ class IndexRanking:
         self._delete_keys(batch, entry, self.policy.state_from(size, cost, old))
         self._put_keys(batch, entry, self.policy.state_from(size, cost, new))
 
+    def resized(self, batch: WriteBatch, entry: bytes, size: int, cost: float,
+                new_size: int, new_cost: float, saved: tuple[float, ...]) -> None:
+        """An entry (a chunk that lost members) now counts `new_size` bytes and
+        `new_cost`: its keys as that size and cost rank it, its state otherwise kept."""
+        self._delete_keys(batch, entry, self.policy.state_from(size, cost, saved))
+        self._put_keys(batch, entry, self.policy.state_from(new_size, new_cost, saved))
+
     def never_moved(self, old: tuple[float, ...], new: tuple[float, ...]) -> None:
         """Hits that took an entry from `old` to `new` were never written, and the entry
         went in state `old` (`removed` counted that state's gap): the gap totals as if
