@@ -15,7 +15,11 @@ read now are packed into chunks planned by it (`next_order`): a chunk is written
 all its files were read, and its tag is the layout tag that epoch's own ORDER will
 have, so a right announcement is recognisable. Otherwise the layout guesses that the
 next epoch reads in this epoch's order, the best guess the daemon has, and chunks carry
-the current order's tag.
+the current order's tag; but where the SSD tier keeps hinted files in write-through
+chunks (it can punch holes, cache/chunk_holes.py), they are in the order this epoch
+fetched them already, so a guess packs nothing: the files are laid out by the order once
+the job sends it again (packing the first epoch cost a cold file ~0.13 ms of CPU and a
+second write, for a reuse of the same order that a shuffling sampler never makes).
 
 A file is packed once per layout. One already in a chunk is laid out anew (moved to a
 new chunk; its old chunk is reclaimed once empty) when its chunk was laid out by another
@@ -148,8 +152,12 @@ class ChunkPacking:
         if state is None or obj is None or not 0 < obj.size < self.small_limit \
                 or not self.cache.packs:
             return
-        layout = self.cache.packed_layout(BlockId(obj.key, obj.version, 0, size=obj.size))
         packer = state.packer
+        if not state.relayout and not packer.expecting and self.cache.chunks_fetched_in_order:
+            # Only a guess at the next order, and the write-through's chunks hold the
+            # files in the order this epoch fetched them already: nothing to gain.
+            return
+        layout = self.cache.packed_layout(BlockId(obj.key, obj.version, 0, size=obj.size))
         if layout is not None and not packer.expecting:  # else the next order decides
             if layout == state.layout:
                 # Where this layout wants it: a planned chunk goes without it.

@@ -240,6 +240,12 @@ class BlockCache:
         """Whether small files can be packed into chunks (an SSD tier taking writes)."""
         return self.disk is not None and self.disk.writable
 
+    @property
+    def chunks_fetched_in_order(self) -> bool:
+        """Whether the SSD tier keeps hinted small files in write-through chunks, in the
+        order they were fetched (it can punch holes; else they are block files)."""
+        return self.disk is not None and self.disk.chunks.holes.work
+
     def packed_layout(self, block: BlockId) -> bytes | None:
         """The layout tag of the SSD chunk holding the block, None if not packed."""
         return None if self.disk is None else self.disk.packed_layout(block)
