@@ -6,6 +6,7 @@ daemon-side packer (packer.ChunkPacking) lays out what readers read."""
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import random
 import threading
@@ -17,7 +18,7 @@ from rocksdict import Options, Rdict
 
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
-from bucketfs.cache import admin
+from bucketfs.cache import admin, chunk_holes
 from bucketfs.cache.blocks import BlockId, ObjectRef
 from bucketfs.cache.chunk_files import DATA_START
 from bucketfs.cache.disk import DiskTier
@@ -259,7 +260,7 @@ def test_emptied_chunks_are_reclaimed_and_a_layout_is_not_written_twice(tmp_path
     ordered = list(blocks)
     disk = open_tier(directory)
     if not punches:
-        disk.chunks.holes._works = False  # as on a filesystem without PUNCH_HOLE
+        disk.chunks.holes.work = False  # as on a filesystem without PUNCH_HOLE
     assert pack(disk, blocks, LAYOUT_A)
     assert pack(disk, blocks, LAYOUT_A)  # already laid out so: nothing to write
     assert disk.chunks.count == 1 and disk.chunks.next_id == 1
@@ -497,7 +498,7 @@ def test_the_packer_lays_out_what_was_read_in_read_order(tmp_path):
     seen = {}
 
     async def body(cache):
-        cache.disk.chunks.holes._works = False  # as on a filesystem without PUNCH_HOLE
+        cache.disk.chunks.holes.work = False  # as on a filesystem without PUNCH_HOLE
         packing = ChunkPacking(cache, objects, MiB)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(packing.run)
@@ -542,7 +543,7 @@ def test_shuffled_epochs_are_not_rewritten_and_a_repeated_order_is_laid_out_anew
         packing = ChunkPacking(cache, objects, MiB)
         disk = cache.disk
         if not holes:
-            disk.chunks.holes._works = False  # as on a filesystem without PUNCH_HOLE
+            disk.chunks.holes.work = False  # as on a filesystem without PUNCH_HOLE
         async with trio.open_nursery() as nursery:
             nursery.start_soon(packing.run)
             for order in (first, second, second, second):
@@ -596,4 +597,27 @@ def test_a_read_that_finds_a_hole_where_its_member_was_reads_it_where_it_moved(
     assert disk.chunks.read(disk._entry(first), stale, 0) is None  # the hole: a miss
     assert "checksum" not in caplog.text
     assert disk.get(first)[:2] == (blocks[first], 0.01)  # its record left as it is
+    disk.close()
+
+
+def test_the_tier_probes_whether_its_filesystem_punches_holes(tmp_path, monkeypatch):
+    """Where fallocate cannot punch a hole, the tier knows it from its open on, and a
+    punch refused later (a filesystem that changed its mind) turns holes off too."""
+    disk = open_tier(tmp_path / "here")
+    assert disk.chunks.holes.work  # this machine's filesystem can
+    assert not list((tmp_path / "here" / "chunks").iterdir())  # the probe's file is gone
+    disk.close()
+    monkeypatch.setattr(chunk_holes, "_punch", lambda fd, offset, length: errno.EOPNOTSUPP)
+    refused = open_tier(tmp_path / "there")
+    assert not refused.chunks.holes.work
+    refused.close()
+    blocks = files(4)
+    disk = open_tier(tmp_path / "here")
+    assert pack(disk, blocks, LAYOUT_A)
+    disk.chunks.holes.work = True  # it said it could
+    assert pack(disk, dict(list(blocks.items())[:2]), LAYOUT_B)
+    assert not disk.chunks.holes.work  # refused: no more tries
+    full = sum(map(len, blocks.values()))
+    half = sum(len(d) for d in list(blocks.values())[2:])
+    assert disk.used == 2 * full - half  # nothing punched: the moved bytes stay dead
     disk.close()

@@ -257,7 +257,7 @@ def test_a_hinted_member_used_later_than_everything_stored_is_declined(tmp_path)
 def test_where_holes_cannot_be_punched_hinted_blocks_are_block_files(tmp_path):
     directory = tmp_path / "cache"
     disk, _, blocks = hinted_tier(directory, 4, capacity_blocks=40)
-    disk.chunks.holes._works = False  # as on a filesystem without PUNCH_HOLE
+    disk.chunks.holes.work = False  # as on a filesystem without PUNCH_HOLE
     assert disk.put_many([(b, data_of(b), 0.01) for b in blocks]) == 4
     assert len(block_files(directory)) == 4 and not chunk_files(directory)
     disk.close()

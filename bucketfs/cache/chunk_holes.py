@@ -9,13 +9,14 @@ read-ahead pread over it fails that member's CRC32 and skips it, never wrong byt
 
 This is what lets hinted eviction take the members of a write-through chunk one by one
 (disk.py): their next uses differ, since they were fetched together, not laid out for an
-order. ext4, XFS, btrfs and tmpfs punch holes. Where the filesystem cannot (tried once,
-on a file of our own), nothing is punched, dead bytes stay until their chunk goes, and
-the SSD tier keeps hinted blocks in block files, as it did before.
+order. ext4, XFS, btrfs and tmpfs punch holes. Where the filesystem cannot (`probe`,
+once the tier has opened its directory, on a file of its own), nothing is punched, dead
+bytes stay until their chunk goes, and the SSD tier keeps hinted blocks in block files,
+as it did before.
 
 Only whole pages inside a hole are freed; the budget counts the member's bytes as freed
 all the same, as it counts a block file's data bytes and not its last page.
-Thread-safety: called under the SSD tier's lock.
+Thread-safety: `probe` runs while the tier opens; `punch` under the SSD tier's lock.
 """
 
 from __future__ import annotations
@@ -57,19 +58,17 @@ class Holes:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._works: bool | None = None if _fallocate is not None else False
+        #: Whether this filesystem punches holes: False until `probe` says it does.
+        self.work = False
 
-    @property
-    def work(self) -> bool:
-        """Whether this filesystem punches holes (tried once, on a file of our own)."""
-        if self._works is None:
-            self._works = self._probe()
-        return self._works
+    def probe(self) -> None:
+        """Try a hole in a file of our own in `directory` (the tier's private chunk
+        directory, made before: nothing another user could have planted)."""
+        self.work = _fallocate is not None and self._punches()
 
-    def _probe(self) -> bool:
+    def _punches(self) -> bool:
         path = self.directory / f"punch-probe-{os.getpid()}.tmp"
         try:
-            self.directory.mkdir(exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o600)
         except OSError:
@@ -102,7 +101,7 @@ class Holes:
                 failed = _punch(fd, DATA_START + offset, length)
                 if failed:
                     if failed in _UNSUPPORTED:
-                        self._works = False
+                        self.work = False
                     log.debug("cache: no hole punched in %s: %s", path, os.strerror(failed))
                     return False
             return True

@@ -137,6 +137,7 @@ class DiskTier(OpensDirectory):
         self.chunks = ChunkStore(self, self.directory / "chunks")
         try:
             self._load()
+            self.chunks.holes.probe()
         except CacheDirError:
             self.index.close()
             raise
