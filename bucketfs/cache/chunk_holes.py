@@ -82,14 +82,15 @@ class Holes:
             os.close(fd)
             path.unlink(missing_ok=True)
         if failed:
-            log.info("cache: %s cannot punch holes (%s): the members of a chunk leave it "
-                     "together", self.directory, os.strerror(failed))
+            log.info("cache: %s cannot punch holes (%s): a member that leaves a chunk "
+                     "stays as dead bytes until the chunk goes", self.directory,
+                     os.strerror(failed))
         return not failed
 
     def punch(self, path: Path, members: Iterable[tuple[int, int]]) -> bool:
         """Punch each member's data (offset, length) out of the chunk file at `path`;
-        False if any was not (its bytes, and those of the members after it, stay dead
-        bytes of the chunk)."""
+        False if any was not: the caller then counts them all as dead bytes still, even
+        those punched before the one that failed (the budget errs on the safe side)."""
         if not self.work:
             return False
         try:
