@@ -621,3 +621,21 @@ def test_the_tier_probes_whether_its_filesystem_punches_holes(tmp_path, monkeypa
     half = sum(len(d) for d in list(blocks.values())[2:])
     assert disk.used == 2 * full - half  # nothing punched: the moved bytes stay dead
     disk.close()
+
+
+def test_a_chunk_whose_room_evicted_a_member_it_moves_stays_within_the_budget(tmp_path):
+    """Room for a re-layout leaves out what its moving members give back; when making
+    that room evicts the chunk one of them was in, that member is new after all, and the
+    tier evicts again rather than end over its budget."""
+    small = files(4, seed=1)
+    first, *rest = list(small)
+    (large, large_data), = files(1, seed=2, size=150 * KiB).items()
+    capacity = sum(map(len, small.values()))
+    disk = open_tier(tmp_path / "cache", capacity=capacity, policy="lru")
+    assert pack(disk, {b: small[b] for b in [first, rest[0]]}, LAYOUT_A)  # the oldest
+    assert pack(disk, {b: small[b] for b in rest[1:]}, LAYOUT_A)
+    assert disk.used == capacity
+    assert pack(disk, {first: small[first], large: large_data}, LAYOUT_B)
+    assert disk.used <= disk.capacity
+    assert disk.get(first)[0] == small[first] and disk.get(large)[0] == large_data
+    disk.close()

@@ -291,6 +291,11 @@ class DiskTier(OpensDirectory):
             with self.lock:
                 given_back = index(reservation)  # may itself change `used` (a chunk's)
                 self.used -= given_back
+                # The room made above left out what the members moving here give back;
+                # one evicted meanwhile (its chunk a victim of that very room) gives
+                # nothing, and is new here: evict to the budget again.
+                if self.used > self.capacity:
+                    self._make_room(0)
         except Exception as exc:  # OSError from the disk, RocksDB's own errors
             with self.lock:
                 self.used -= reservation.size
