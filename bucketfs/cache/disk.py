@@ -291,11 +291,6 @@ class DiskTier(OpensDirectory):
             with self.lock:
                 given_back = index(reservation)  # may itself change `used` (a chunk's)
                 self.used -= given_back
-                # The room made above left out what the members moving here give back;
-                # one evicted meanwhile (its chunk a victim of that very room) gives
-                # nothing, and is new here: evict to the budget again.
-                if self.used > self.capacity:
-                    self._make_room(0)
         except Exception as exc:  # OSError from the disk, RocksDB's own errors
             with self.lock:
                 self.used -= reservation.size
@@ -306,6 +301,15 @@ class DiskTier(OpensDirectory):
         finally:
             with self.lock:
                 self.writing.pop(reservation.name, None)
+        # The room made above left out what the members moving here give back; one
+        # evicted meanwhile (its chunk a victim of that very room) gave nothing and is
+        # new here: evict to the budget again. What is indexed stays either way.
+        try:
+            with self.lock:
+                if self.used > self.capacity:
+                    self._make_room(0)
+        except Exception as exc:  # RocksDB refused a read or a delete
+            self.step_aside(exc)
         return True
 
     def count_used(self, size: int) -> None:
