@@ -16,7 +16,6 @@ import os
 import random
 import re
 import signal
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from rocksdict import AccessType, Options, Rdict
 
-from bucketfs.cache.chunk_files import DATA_START
+from bucketfs.cache.chunk_files import _HEADER, DATA_START
 from bucketfs.cache.disk import block_file_name
 from bucketfs.cache.schema import (
     CHUNK,
@@ -416,7 +415,7 @@ def _index_facts(cache: Path) -> CacheFacts:
     # file's length).
     for chunk, (size, live) in chunks.items():
         path = cache / "chunks" / f"{chunk:016x}.chk"
-        written = struct.unpack_from("<6sQQ", path.read_bytes())[2]  # its header's length
+        written = _HEADER.unpack_from(path.read_bytes())[2]  # its header's length
         assert chunk_files[path.name] == DATA_START + written, f"chunk {chunk} cut short"
         assert live <= size <= written, \
             f"chunk {chunk}: {live} live, {size} counted, {written} written"

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from bucketfs.cache.chunk_files import DATA_START
+from bucketfs.cache.durable import libc
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,7 @@ _PAGE = 4096
 #: The filesystem cannot punch holes (ENOTSUP is EOPNOTSUPP on Linux).
 _UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS}
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_fallocate = getattr(_libc, "fallocate", None)
+_fallocate = getattr(libc, "fallocate", None)
 if _fallocate is not None:
     _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     _fallocate.restype = ctypes.c_int

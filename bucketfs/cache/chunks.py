@@ -399,9 +399,10 @@ class ChunkStore:
             new = [(e, d) for e, d, _ in kept if e not in stored]
             chunk = self.next_id
             self.next_id += 1
+            if admit is not None:  # room made already, each member weighed
+                return Reservation(chunk_rank_name(chunk), self.path(chunk), size, 0, ())
             return Reservation(
-                chunk_rank_name(chunk), self.path(chunk), size,
-                0 if admit is not None else sum(len(d) for _, d in new),
+                chunk_rank_name(chunk), self.path(chunk), size, sum(len(d) for _, d in new),
                 [b.key for b in map(space.block_of, (e for e, _ in new)) if b])
 
         def write(reservation: Reservation) -> None:

@@ -24,8 +24,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_syncfs = getattr(_libc, "syncfs", None)
+#: The C library, errno kept (chunk_holes.py takes its fallocate from it too).
+libc = ctypes.CDLL(None, use_errno=True)
+_syncfs = getattr(libc, "syncfs", None)
 
 
 def drop_cached(fd: int) -> None:
