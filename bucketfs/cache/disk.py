@@ -10,8 +10,9 @@ filesystem cannot punch holes, hinted blocks are block files instead.
 Durability, in this order, so a crash at any moment leaves nothing torn under a real
 name: write `NAME.tmp`, flush (one `syncfs` for a batch of blocks, durable.py), rename
 to `NAME`, then record it in the index. A block file starts with a header naming its
-entry and the CRC32 of its bytes; a read checks both, so a stale, foreign or damaged
-file is a miss, never wrong data.
+entry and the CRC32 of its bytes (block_files.py; a large block's file is written past
+the page cache); a read checks both, so a stale, foreign or damaged file is a miss,
+never wrong data.
 
 The index (its keys and records are schema.py's) holds, per block, a record (length,
 CRC, refetch cost and eviction state) and the block's place in the eviction order
@@ -50,7 +51,7 @@ from pathlib import Path
 
 from rocksdict import Options, Rdict, WriteBatch
 
-from bucketfs.cache import schema
+from bucketfs.cache import block_files, schema
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.checksum import crc32
 from bucketfs.cache.chunk_space import Decision, Reservation
@@ -76,7 +77,6 @@ from bucketfs.private import UnsafePath
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"BFSB1\n"
 #: Blocks smaller than this that the write-through stores together go into one chunk
 #: file of at most `WRITE_THROUGH_CHUNK` bytes: a file per ~100 KB block cost an inode,
 #: a create and a rename to write, and an open and a close to read; a member of an open
@@ -84,7 +84,6 @@ MAGIC = b"BFSB1\n"
 #: step 11). A larger block is a file of its own.
 CHUNKED_BELOW = 1 << 20
 WRITE_THROUGH_CHUNK = 4 << 20
-_HEADER = struct.Struct("<IQI")  # entry-name length, data length, crc32
 
 __all__ = ["CacheDirError", "CacheDirUnwritable", "DiskTier", "block_file_name"]
 
@@ -238,21 +237,18 @@ class DiskTier(OpensDirectory):
     def _read_verified(self, entry: bytes, length: int, crc: int) -> memoryview | None:
         path = self.block_path(entry)
         try:
-            raw = read_whole(path, direct=length >= CHUNKED_BELOW)
+            raw = read_whole(path, direct=length >= block_files.LARGE)
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("cache: cannot read %s: %s; treating it as a miss", path, exc.strerror)
             return None
-        header_len = len(MAGIC) + _HEADER.size
-        if len(raw) < header_len or raw[:len(MAGIC)] != MAGIC:
+        parsed = block_files.parse(raw)
+        if parsed is None:
             return self._bad(path, "bad header")
-        name_len, data_len, data_crc = _HEADER.unpack_from(raw, len(MAGIC))
-        name = bytes(raw[header_len:header_len + name_len])
-        # A view, not a slice: a slice copies the block (MiBs into fresh pages) to leave
-        # out a header of ~100 bytes, which the view keeps alive instead.
-        data = raw[header_len + name_len:]
-        if name != entry or data_len != length or data_crc != crc or len(data) != length:
+        data = parsed.data
+        if (parsed.name != entry or parsed.length != length or parsed.crc != crc
+                or len(data) != length):
             return self._bad(path, "names another entry or has the wrong length")
         if crc32(data) != crc:
             return self._bad(path, "checksum mismatch")
@@ -430,8 +426,7 @@ class DiskTier(OpensDirectory):
             if path.parent.name not in self._data_subdirs:  # one mkdir each, not per file
                 path.parent.mkdir(exist_ok=True)
                 self._data_subdirs.add(path.parent.name)
-            files.append((path, (MAGIC + _HEADER.pack(len(entry), len(data), crc) + entry,
-                                 data)))
+            files.append((path, block_files.block_file(entry, data, crc)))
         outcomes = write_many(files)
         return stored + self._index_blocks(planned, outcomes)
 
@@ -593,3 +588,4 @@ class DiskTier(OpensDirectory):
                 log.log(logging.WARNING if self.writable else logging.INFO,
                         "cache: could not save the index of %s on close: %s",
                         self.directory, str(exc).splitlines()[0])
+

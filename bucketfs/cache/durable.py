@@ -11,22 +11,29 @@ Once durable, a file's pages leave the page cache (`drop_cached`): what the SSD 
 writes is also in the RAM tier and in the page cache of the mount's own file, where the
 kernel serves it without the daemon. A third copy, under the tier file's name, would
 double the page cache a cold epoch takes (writing 191 MiB of blocks left all 191 MiB
-resident, docs/BENCHMARKS.md), charged to the daemon's memory cgroup.
+resident, docs/BENCHMARKS.md), charged to the daemon's memory cgroup. A large block file
+(`Direct` parts) is written past the page cache instead (direct_writes.py), so it has no
+pages to drop and its bytes are not copied; where the filesystem refuses direct I/O it
+is written through the page cache like the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from bucketfs.cache.direct_writes import write_direct
+
 #: The C library, errno kept (chunk_holes.py takes its fallocate from it too).
 libc = ctypes.CDLL(None, use_errno=True)
 _syncfs = getattr(libc, "syncfs", None)
+_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def drop_cached(fd: int) -> None:
@@ -62,6 +69,9 @@ def write_many(files: Sequence[tuple[Path, Iterable[bytes]]]) -> list[BaseExcept
         for i, (path, parts) in enumerate(files):
             temporary = _temporary(path)
             try:
+                if isinstance(parts, Direct) and _written_direct(temporary, parts):
+                    written.append(i)
+                    continue
                 f = open(temporary, "wb")  # noqa: SIM115 (closed below, after the flush)
                 opened.append(f)
                 for part in parts:
@@ -94,6 +104,37 @@ def write_many(files: Sequence[tuple[Path, Iterable[bytes]]]) -> list[BaseExcept
             _temporary(path).unlink(missing_ok=True)
             outcomes[i] = exc
     return outcomes
+
+
+class Direct(tuple):
+    """A file's parts, (head, data), to write past the page cache where the filesystem
+    allows it (direct_writes.py: `len(head)` congruent to data's address)."""
+
+    __slots__ = ()
+
+
+def _written_direct(temporary: Path, parts: Direct) -> bool:
+    """Write a Direct file with O_DIRECT; False where the filesystem refuses (EINVAL),
+    nothing left behind, so that the caller writes it through the page cache."""
+    if not _DIRECT:
+        return False
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                     | _DIRECT, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    try:
+        write_direct(fd, *parts)
+        return True
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
+    temporary.unlink(missing_ok=True)
+    return False
 
 
 def _temporary(path: Path) -> Path:
