@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bucketfs import __version__
+from bucketfs import __version__, huge_pages
 from bucketfs.backends.urls import BadUrl, parse_bucket_url
 from bucketfs.cache.admin import add_cache_commands, run_cache_command
 from bucketfs.config import OPTIONS, OPTIONS_BY_NAME, ConfigError, load_config
@@ -167,6 +167,8 @@ def _report(args: argparse.Namespace, message: str) -> int:
 
 
 def _mount_foreground(args: argparse.Namespace, url: object, config: object) -> int:
+    if args.ready_fd is None and args.options_fd is None:  # not started by a parent
+        huge_pages.run_again_with_huge_pages()
     # Imported here so `bucketfs --help` and `umount` do not load pyfuse3 and the SDKs.
     from bucketfs.logs import setup_logging
     from bucketfs.mount import MountError, MountInfo, run_mount
@@ -214,6 +216,7 @@ def _spawn_daemon(args: argparse.Namespace, config: object) -> int:
         child = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             pass_fds=(write_end, options_read), start_new_session=True,
+            env=huge_pages.environment(os.environ),
         )
     except OSError as exc:  # no daemon to talk to: close our ends too
         for fd in (read_end, options_write):

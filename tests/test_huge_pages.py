@@ -1,0 +1,104 @@
+"""Huge pages for the daemon's large buffers (huge_pages.py): the daemon, started by
+`bucketfs mount` or in the foreground, runs with glibc's malloc asking for transparent
+huge pages and gets them for the blocks it reads; a user's own choice is kept."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bucketfs import huge_pages
+from bucketfs.runtime import mounted as mount_entry
+from tests.mounting import daemon_pid, drop_page_cache, force_unmount, mounted
+
+MiB = 1024 * 1024
+ON = f"{huge_pages.TUNABLE}=1"
+
+
+def test_the_tunable_is_added_to_the_environment():
+    if huge_pages.environment({}) is None:
+        pytest.fail("this machine's kernel gives no huge pages or the C library is not "
+                    "glibc: the rest of this file needs both")
+    assert huge_pages.environment({"PATH": "/bin"}) == {"PATH": "/bin", "GLIBC_TUNABLES": ON}
+    assert huge_pages.environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
+        "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{ON}"}
+
+
+def test_a_users_choice_and_a_kernel_without_huge_pages_change_nothing(tmp_path, monkeypatch):
+    assert huge_pages.environment({"GLIBC_TUNABLES": f"{huge_pages.TUNABLE}=0"}) is None
+    assert huge_pages.environment({"GLIBC_TUNABLES": ON}) is None
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(huge_pages, "_THP", setting)
+    assert huge_pages.environment({}) is None
+    monkeypatch.setattr(huge_pages, "_THP", tmp_path / "missing")
+    assert huge_pages.environment({}) is None
+
+
+def tunables(pid: int) -> str:
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(b"GLIBC_TUNABLES="):
+            return entry.split(b"=", 1)[1].decode()
+    return ""
+
+
+def anon_huge_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    root = tmp_path / "bucket"
+    root.mkdir()
+    (root / "large.bin").write_bytes(os.urandom(32 * MiB))
+    return root
+
+
+def test_the_daemon_gets_huge_pages_for_the_blocks_it_reads(source, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    with mounted(f"file://{source}", tmp_path / "mnt", "--ram-cache", "256MiB",
+                 env=env) as mnt:
+        pid = daemon_pid(mnt.resolve())
+        assert ON in tunables(pid).split(":")
+        drop_page_cache()
+        assert (mnt / "large.bin").read_bytes() == (source / "large.bin").read_bytes()
+        # The RAM tier holds the 32 MiB just read, in memory glibc mapped with huge pages.
+        assert anon_huge_bytes(pid) >= 4 * MiB
+
+
+def test_a_user_who_turned_it_off_keeps_it_off(source, tmp_path):
+    off = f"{huge_pages.TUNABLE}=0"
+    with mounted(f"file://{source}", tmp_path / "mnt", env={"GLIBC_TUNABLES": off}) as mnt:
+        assert tunables(daemon_pid(mnt.resolve())) == off
+
+
+def test_a_foreground_mount_runs_itself_again_with_huge_pages(source, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bucketfs", "mount", f"file://{source}", str(mnt),
+         "--foreground", "--log-file", str(tmp_path / "mnt.log")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while mount_entry(str(mnt)) is None:
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            assert time.monotonic() < deadline, "mount did not become ready"
+            time.sleep(0.05)
+        # The same process (its pid is what the state directory records), run again.
+        assert daemon_pid(mnt) == process.pid
+        assert ON in tunables(process.pid).split(":")
+        assert (mnt / "large.bin").stat().st_size == 32 * MiB
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        force_unmount(mnt)
