@@ -136,7 +136,8 @@ class HintedPrefetch:
         self.refused_orders = 0
         self.failed_orders = 0
         self.next_orders = 0
-        #: The scheduler's counters as of the last event (read by the metrics thread).
+        #: The scheduler's counters as of the last wake-up of `run`, which every event
+        #: causes (read by the metrics thread, so taken on the trio thread).
         self.last_stats: PrefetchStats = self.scheduler.stats()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -151,6 +152,8 @@ class HintedPrefetch:
                     self._start_fetches(nursery)
                 except Exception as exc:  # a bug in planning: hints stall, reads go on
                     failed("starting prefetches", exc)
+                # Once per wake-up, not per event: the events of a tick share one.
+                self.last_stats = self.scheduler.stats()
                 self._wake = trio.Event()
                 await self._wake.wait()
 
@@ -166,7 +169,6 @@ class HintedPrefetch:
                 start_guarded(nursery, "a prefetch", self._fetch, key)
 
     def _poke(self) -> None:
-        self.last_stats = self.scheduler.stats()
         self._wake.set()
 
     # --- the hints socket (sync, trio thread) --------------------------------------------

@@ -207,7 +207,7 @@ class MountStatus:
         prefetch = self.prefetch
         if prefetch is None:
             return out
-        stats = prefetch.last_stats  # what /metrics reads, refreshed at every event
+        stats = prefetch.last_stats  # what /metrics reads, refreshed as events are handled
         return out | {
             "window_limit": prefetch.scheduler.window_bytes,
             "budget_bytes": prefetch.scheduler.budget_bytes,
