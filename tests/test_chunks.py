@@ -278,6 +278,11 @@ def test_emptied_chunks_are_reclaimed_and_a_layout_is_not_written_twice(tmp_path
         assert disk.used == 2 * full - half  # the old chunk still holds dead bytes
         assert allocated(old_chunk) == allocated_before
     assert disk.chunks.live_bytes == full
+    # `bucketfs cache stats` says both: the files' length and the room they take.
+    stats = admin.cache_stats(directory)
+    assert stats["chunk_disk_bytes"] == sum(map(allocated, chunk_files(directory)))
+    holes = stats["chunk_bytes"] - stats["chunk_disk_bytes"]
+    assert holes >= full - half - 16 * KiB if punches else holes < 16 * KiB
     for block in ordered[4:]:  # the members left in the old chunk, around the holes
         forget_reads(disk)
         assert disk.get(block)[:2] == (blocks[block], 0.01)

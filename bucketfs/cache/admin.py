@@ -110,17 +110,21 @@ def _open_read_only(directory: Path) -> Iterator[Rdict]:
             index.close()
 
 
-def _tree_size(path: Path) -> tuple[int, int]:
-    """(number of files, their bytes) under `path`; (0, 0) if it does not exist."""
-    files = total = 0
+def _tree_size(path: Path) -> tuple[int, int, int]:
+    """(number of files, their bytes, the bytes the filesystem gives them) under
+    `path`; zeros if it does not exist. The last leaves out holes: members punched out
+    of a chunk file keep its length but not its room on disk."""
+    files = total = allocated = 0
     for root, _, names in os.walk(path):
         for name in names:
             try:
-                total += os.lstat(os.path.join(root, name)).st_size
+                info = os.lstat(os.path.join(root, name))
             except FileNotFoundError:  # a mount evicted it while we walked
                 continue
+            total += info.st_size
+            allocated += info.st_blocks * 512
             files += 1
-    return files, total
+    return files, total, allocated
 
 
 def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -130,7 +134,8 @@ def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
     `packed_entries` (those of them packed in chunk files), `block_files` and
     `file_bytes` (block files under data/, headers included), `chunk_files` and
     `chunk_bytes` (chunk files under chunks/, their length: dead members, holes and
-    headers included),
+    headers included), `chunk_disk_bytes` (the room the filesystem gives them: holes
+    left out),
     `index_bytes` (the RocksDB index on disk), `listings` (directory listings kept for
     remounts), `counters` (the totals saved by `save_counters`, {} if none)."""
     path = Path(directory)
@@ -155,7 +160,7 @@ def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
                     except FileNotFoundError:
                         continue
                     block_files += 1
-    chunk_files, chunk_bytes = _tree_size(path / "chunks")
+    chunk_files, chunk_bytes, chunk_disk_bytes = _tree_size(path / "chunks")
     return {
         "directory": str(path),
         "entries": entries,
@@ -165,6 +170,7 @@ def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
         "file_bytes": file_bytes,
         "chunk_files": chunk_files,
         "chunk_bytes": chunk_bytes,
+        "chunk_disk_bytes": chunk_disk_bytes,
         "index_bytes": _tree_size(path / "index")[1],
         "listings": listings,
         "counters": counters,
@@ -178,7 +184,8 @@ def format_stats(d: dict[str, Any]) -> str:
         ("entries", f"{d['entries']:,}"),
         ("cached data", size(d["bytes"])),
         ("block files", f"{d['block_files']:,} ({size(d['file_bytes'])})"),
-        ("chunk files", f"{d.get('chunk_files', 0):,} ({size(d.get('chunk_bytes', 0))}), "
+        ("chunk files", f"{d.get('chunk_files', 0):,} ({size(d.get('chunk_bytes', 0))}, "
+                        f"{size(d.get('chunk_disk_bytes', 0))} on disk), "
                         f"{d.get('packed_entries', 0):,} entries packed"),
         ("index", f"{size(d['index_bytes'])}, {d['listings']:,} directory listings"),
     ]
