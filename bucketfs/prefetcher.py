@@ -150,10 +150,10 @@ class HintedPrefetch:
             while True:
                 try:
                     self._start_fetches(nursery)
+                    # Once per wake-up, not per event: the events of a tick share one.
+                    self.last_stats = self.scheduler.stats()
                 except Exception as exc:  # a bug in planning: hints stall, reads go on
                     failed("starting prefetches", exc)
-                # Once per wake-up, not per event: the events of a tick share one.
-                self.last_stats = self.scheduler.stats()
                 self._wake = trio.Event()
                 await self._wake.wait()
 

@@ -57,6 +57,17 @@ def mounted(url: str, mountpoint: Path, *args: str, env: dict[str, str] | None =
         assert result.returncode == 0, f"umount failed: {result.stderr}"
 
 
+def wait_for_foreground_mount(process: subprocess.Popen[str], mountpoint: Path,
+                              timeout: float = 30) -> None:
+    """Wait until a `bucketfs mount --foreground` process has mounted `mountpoint`;
+    fail with its stderr if it exits first."""
+    deadline = time.monotonic() + timeout
+    while mount_entry(str(mountpoint)) is None:
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert time.monotonic() < deadline, "mount did not become ready"
+        time.sleep(0.05)
+
+
 def daemon_pid(mountpoint: Path) -> int:
     """The pid of the daemon serving `mountpoint` (the one its state directory records)."""
     pid = recorded_pid(str(mountpoint))

@@ -14,7 +14,7 @@ import pytest
 
 from bucketfs.runtime import mounted as mount_entry
 from bucketfs.runtime import state_dir
-from tests.mounting import bucketfs, force_unmount, mounted
+from tests.mounting import bucketfs, force_unmount, mounted, wait_for_foreground_mount
 
 pytestmark = pytest.mark.fuse
 
@@ -125,11 +125,7 @@ def test_signal_in_foreground_unmounts_cleanly(source, tmp_path, signum):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        while mount_entry(str(mnt)) is None:
-            assert process.poll() is None, process.stderr.read() if process.stderr else ""
-            assert time.monotonic() < deadline, "mount did not become ready"
-            time.sleep(0.05)
+        wait_for_foreground_mount(process, mnt)
         assert (mnt / "d" / "f.txt").read_text() == "hello\n"
         process.send_signal(signum)
         assert process.wait(timeout=30) == 0

@@ -588,4 +588,3 @@ class DiskTier(OpensDirectory):
                 log.log(logging.WARNING if self.writable else logging.INFO,
                         "cache: could not save the index of %s on close: %s",
                         self.directory, str(exc).splitlines()[0])
-

@@ -120,7 +120,7 @@ def _written_direct(temporary: Path, parts: Direct) -> bool:
         return False
     try:
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-                     | _DIRECT, 0o600)
+                     | os.O_NOFOLLOW | _DIRECT, 0o600)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
