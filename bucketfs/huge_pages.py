@@ -5,7 +5,8 @@ which the RAM tier then keeps), and each 4 KiB page of it costs a page fault on 
 touch: a third of the daemon's CPU for a cold 1 GiB read on the benchmark's VM. With
 `glibc.malloc.hugetlb=1`, glibc asks the kernel for transparent huge pages
 (`MADV_HUGEPAGE`) on the memory it maps for large allocations, and a 2 MiB page is one
-fault (a cold 1 GiB read, interleaved: 1.31 -> 1.24 CPU-s per GiB in one run and
+fault. A 4 MiB block's mapping is not 2 MiB-aligned, so about half of it gets such
+pages (a cold 1 GiB read, interleaved: 1.31 -> 1.24 CPU-s per GiB in one run and
 1.20 -> 1.06 in another; docs/BENCHMARKS.md, step 24).
 
 The setting is read only when a process starts, so it goes into the daemon's
