@@ -38,8 +38,10 @@ Durability: the chunk file is written as `.tmp`, fsynced and renamed, then ONE
 WriteBatch adds the chunk record, its rank keys and every member's record, and removes
 what the members replace (their block records and rank keys, or their bytes in an
 older chunk). A crash leaves either the whole chunk indexed or an unindexed file, which
-the recovery scan (after an unclean close) deletes; it also drops chunk records whose
-file is gone and packed records naming a missing chunk, and recounts live bytes.
+the recovery scan (after an unclean close, chunk_recovery.py) deletes; it also drops
+chunk records whose file is gone and packed records naming a missing chunk, recounts
+live bytes, and punches the holes a crash left unpunched (holes are punched after the
+batch that lets their members go, never before: no indexed member reads as zeros).
 
 Every read checks the chunk's header (magic, id) when its file is opened and each
 member's CRC32: a mismatch is a miss, never wrong bytes.
@@ -73,6 +75,7 @@ from bucketfs.cache.chunk_files import (
     write_chunk_file,
 )
 from bucketfs.cache.chunk_holes import Holes
+from bucketfs.cache.chunk_recovery import RecoversChunks
 from bucketfs.cache.chunk_space import Admit, Decision, Reservation, SsdSpace
 from bucketfs.cache.references import CHUNK_RECORDS
 from bucketfs.cache.schema import (
@@ -119,6 +122,8 @@ class _Changes:
     live: int = 0
     unlink: list[Path] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
+    #: Holes to punch once the batch is written: (chunk, its dead members' spans, bytes).
+    punch: list[tuple[int, list[tuple[int, int]], int]] = field(default_factory=list)
 
 
 def _decoded(decode: Callable[[bytes], T], value: bytes) -> T | None:
@@ -130,7 +135,7 @@ def _decoded(decode: Callable[[bytes], T], value: bytes) -> T | None:
         return None
 
 
-class ChunkStore:
+class ChunkStore(RecoversChunks):
     """The chunks of one SSD tier. Methods marked "lock held" expect `space.lock`."""
 
     def __init__(self, space: SsdSpace, directory: Path) -> None:
@@ -170,87 +175,6 @@ class ChunkStore:
             return chunk_of_key(it.key())
         return -1
 
-    def recover_chunks(self, rebuild: bool) -> None:
-        """Recovery, step 1 (before the entries are scanned): count the chunk records
-        whose file exists, restore their ranks (written anew if `rebuild`), drop the
-        records whose file is gone."""
-        index, ranking = self.space.index, self.space.ranking
-        batch = WriteBatch(raw_mode=True) if rebuild else None
-        present = set(os.listdir(self.directory)) if self.directory.is_dir() else set()
-        self._recount = {}
-        lost: list[tuple[bytes, ChunkRecord | None]] = []
-        for key, value in index.items(from_key=CHUNK):
-            if not key.startswith(CHUNK):
-                break
-            chunk = chunk_of_key(key)
-            try:
-                record = decode_chunk(value)
-            except (ValueError, struct.error):
-                lost.append((key, None))
-                continue
-            ranking.restored(batch, chunk_rank_name(chunk), record.size, record.cost,
-                             record.state)
-            if self.path(chunk).name not in present:
-                lost.append((key, record))
-                continue
-            self._recount[chunk] = 0
-            self.count += 1
-            self.data_bytes += record.size
-            self.space.count_used(record.size)
-        drop = WriteBatch(raw_mode=True)
-        for key, record in lost:  # their members' records are dropped by the entry scan
-            drop.delete(key)
-            if record is not None:
-                ranking.removed(drop, chunk_rank_name(chunk_of_key(key)), record.size,
-                                record.cost, record.state)
-        if batch is not None:  # before `drop`, which deletes the lost chunks' new keys
-            index.write(batch)
-        index.write(drop)
-        if lost:
-            log.info("cache: dropped %d chunk records whose files are gone", len(lost))
-
-    def recover_member(self, packed: Packed) -> bool:
-        """Recovery, step 2, per packed record: False if its chunk is gone."""
-        assert self._recount is not None
-        if packed.chunk not in self._recount:
-            return False
-        self._recount[packed.chunk] += packed.length
-        return True
-
-    def finish_recovery(self) -> None:
-        """Recovery, step 3: live bytes as the records say, empty chunks dropped,
-        chunk files no record names deleted."""
-        assert self._recount is not None
-        index = self.space.index
-        recount, self._recount = self._recount, None
-        for chunk, live in recount.items():
-            key = chunk_key(chunk)
-            record = decode_chunk(index[key])
-            if live == 0:  # not counted in live_bytes: nothing to take off
-                record.live = 0
-                batch, changes = WriteBatch(raw_mode=True), _Changes()
-                self._drop_into(batch, chunk, record, changes)
-                index.write(batch)
-                self._apply(changes)
-                continue
-            if record.live != live:
-                record.live = live
-                index[key] = encode_chunk(record)
-            self.live_bytes += live
-        self.next_id = self._last_id() + 1
-        self._sweep({self.path(chunk).name for chunk in recount})
-
-    def _sweep(self, indexed: set[str]) -> None:
-        if not self.directory.is_dir():
-            return
-        removed = 0
-        for name in os.listdir(self.directory):
-            if name not in indexed:
-                (self.directory / name).unlink(missing_ok=True)
-                removed += 1
-        if removed:
-            log.info("cache: removed %d unindexed chunk files from %s", removed,
-                     self.directory)
 
     # --- reads --------------------------------------------------------------------------
 
@@ -489,9 +413,11 @@ class ChunkStore:
         if record.live <= 0:
             self._drop_into(batch, chunk, record, changes, keep)
             return
-        # Punched before the batch is written: a crash between them leaves a member
-        # that reads as zeros, which its CRC32 turns into a miss.
-        if self.holes.punch(self.path(chunk), [(p.offset, p.length) for p in leaving]):
+        # Punched once the batch is written (`_apply`): punched first, a crash between
+        # the two would leave members the index still names reading as zeros. A crash
+        # after the batch leaves the bytes unpunched: recovery punches them.
+        if self.holes.work:
+            changes.punch.append((chunk, [(p.offset, p.length) for p in leaving], amount))
             cost = max(0.0, record.cost - sum(p.cost for p in leaving))
             self.space.ranking.resized(batch, chunk_rank_name(chunk), record.size,
                                        record.cost, record.size - amount, cost,
@@ -535,6 +461,25 @@ class ChunkStore:
             self._passes.forget(chunk)
         for path in changes.unlink:
             path.unlink(missing_ok=True)
+        for chunk, spans, amount in changes.punch:
+            if not self.holes.punch(self.path(chunk), spans):
+                self._unpunched(chunk, amount)
+
+    def _unpunched(self, chunk: int, amount: int) -> None:  # lock held
+        """A hole counted as punched was not (the filesystem refused it): its bytes
+        count in the chunk's size and the budget again."""
+        value = self.space.index.get(chunk_key(chunk))
+        record = None if value is None else self._parsed(value)
+        if record is None:
+            return
+        batch = WriteBatch(raw_mode=True)
+        self.space.ranking.resized(batch, chunk_rank_name(chunk), record.size, record.cost,
+                                   record.size + amount, record.cost, record.state)
+        record.size += amount
+        batch.put(chunk_key(chunk), encode_chunk(record))
+        self.space.index.write(batch)
+        self.space.count_used(amount)
+        self.data_bytes += amount
 
     def drop(self, chunk: int) -> int | None:  # lock held
         """Delete a chunk and its members' records (eviction, a damaged file); its data
@@ -547,11 +492,14 @@ class ChunkStore:
             self.space.index.delete(chunk_key(chunk))
             self.path(chunk).unlink(missing_ok=True)
             return 0
+        self._drop_record(chunk, record)
+        return record.size
+
+    def _drop_record(self, chunk: int, record: ChunkRecord) -> None:  # lock held
         batch, changes = WriteBatch(raw_mode=True), _Changes()
         self._drop_into(batch, chunk, record, changes)
         self.space.index.write(batch)
         self._apply(changes)
-        return record.size
 
     def forget_member(self, entry: bytes, packed: Packed) -> int:  # lock held
         """Drop one packed entry's record if it still says `packed`; the bytes this

@@ -135,8 +135,9 @@ class DiskTier(OpensDirectory):
         self.references = DeferredReferences(self.index, self.ranking)
         self.chunks = ChunkStore(self, self.directory / "chunks")
         try:
-            self._load()
+            # Before the load: a recovery punches the holes a crash left unpunched.
             self.chunks.holes.probe()
+            self._load()
         except CacheDirError:
             self.index.close()
             raise
