@@ -83,6 +83,11 @@ class ServerProcess:
         self.log_path = self.root / "server.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process (its CPU is a benchmark's figure), while it runs."""
+        return None if self._proc is None else self._proc.pid
+
     def start(self) -> Self:
         # A port picked as free can be taken before the server binds it: try again.
         error = ""
