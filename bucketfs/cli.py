@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bucketfs import __version__, huge_pages
+from bucketfs import __version__, huge_pages, placement
 from bucketfs.backends.urls import BadUrl, parse_bucket_url
 from bucketfs.cache.admin import add_cache_commands, run_cache_command
 from bucketfs.config import OPTIONS, OPTIONS_BY_NAME, ConfigError, load_config
@@ -169,6 +169,12 @@ def _report(args: argparse.Namespace, message: str) -> int:
 def _mount_foreground(args: argparse.Namespace, url: object, config: object) -> int:
     if args.ready_fd is None and args.options_fd is None:  # not started by a parent
         huge_pages.run_again_with_huge_pages()
+    cpus = config.cpus  # type: ignore[attr-defined]
+    if cpus is not None:  # before any thread exists: every later thread inherits it
+        try:
+            cores = placement.confine(cpus)
+        except (ValueError, OSError) as exc:
+            return _report(args, f"cannot run on cores {cpus}: {exc}")
     # Imported here so `bucketfs --help` and `umount` do not load pyfuse3 and the SDKs.
     from bucketfs.logs import setup_logging
     from bucketfs.mount import MountError, MountInfo, run_mount
@@ -185,6 +191,9 @@ def _mount_foreground(args: argparse.Namespace, url: object, config: object) -> 
     # Every resolved option, once, for whoever reads a debug log (redacted by the filter).
     logging.getLogger(__name__).debug("bucketfs %s, pid %d, options: %s", __version__,
                                       os.getpid(), _describe(config))
+    if cpus is not None:
+        logging.getLogger(__name__).info("the daemon runs on cores %s",
+                                         ",".join(map(str, sorted(cores))))
 
     def ready(warnings: list[str]) -> None:
         if args.ready_fd is not None:

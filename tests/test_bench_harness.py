@@ -323,3 +323,24 @@ def test_the_data_path_report_gives_the_loops_ceiling() -> None:
     row = {"cpu_ms_per_file_by_thread": {"loop": 0.25, "workers": 0.1, "other": 0.125}}
     assert by_thread_text(row) == "0.250 ms | 0.100 ms | 0.125 ms | 4,000"
     assert by_thread_text({}) == "— | — | — | —"
+
+
+def test_placement_variants_name_cores_and_runtime_threads() -> None:
+    from bench.placement import parse_variant, summary
+
+    assert parse_variant("all") == (None, {})
+    assert parse_variant("cpus4+tokio2") == (4, {"TOKIO_WORKER_THREADS": "2"})
+    for bad in ("cpus0", "tokio", "cores4", "cpus4+x"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
+
+    def row(name: str, cores: int, cold_ms: float) -> dict:
+        cold = {"cpu_ms_per_file": cold_ms, "files_per_s": 2000.0,
+                "cpu_ms_per_file_by_thread": {"loop": 0.3, "workers": cold_ms - 0.5,
+                                              "other": 0.2}}
+        return {"variant": name, "daemon_cores": cores, "cold": cold,
+                "warm_ram": {"cpu_ms_per_file": 0.15, "files_per_s": 6000.0}}
+
+    text = summary([row("all", 16, 1.1), row("cpus4", 4, 0.9), row("all", 16, 1.0)])
+    assert "| all | 16 | 1.00-1.10 ms (0.30 / 0.55 / 0.20) | 2,000 |" in text
+    assert "| cpus4 | 4 | 0.90 ms (0.30 / 0.40 / 0.20) |" in text
