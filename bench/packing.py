@@ -1,10 +1,13 @@
 """An SSD-served epoch of small files, with and without chunk packing:
 
     python -m bench.packing [--files 2000] [--rounds 5] [--threads 1] [--next-epoch]
+                            [--fill-ram 128MiB]
 
 Makes a file:// bucket of FILES files of 80-140 KB, fills two cache directories (one
 with a hinted order, so its files are packed into chunks; one without, where the
-write-through stores them in chunks in the order they were fetched), then, ROUNDS
+write-through stores them in chunks in the order they were fetched) through a RAM tier
+of FILL_RAM, smaller than the files (one that holds them all serves the next epoch
+itself, and the daemon lays nothing out on SSD for it), then, ROUNDS
 times and alternating the two so drift hits both alike: mount, drop the page cache,
 read every file in the hinted order with THREADS threads, and time it. Every round
 must make 0 GETs (the cache serves everything). Needs root (drop_caches, FUSE).
@@ -34,6 +37,7 @@ from tests.servers import free_ports
 from tests.test_fuse_hints import metrics
 
 N = ROUNDS = THREADS = 0
+FILL_RAM = ""  # the RAM tier of the mounts that fill the caches
 NEXT_EPOCH = False
 BASE = Path()
 SSD_HITS = 'bucketfs_cache_hits_total{tier="ssd"}'
@@ -65,8 +69,22 @@ def wait(port: int, pred, timeout: float = 120) -> dict:
         time.sleep(0.1)
 
 
+def settled(port: int, counter: str, quiet_s: float = 1.0, timeout: float = 120) -> dict:
+    """The metrics once `counter` has not moved for `quiet_s` and nothing waits to be
+    written to SSD."""
+    end = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while True:
+        v = metrics(port)
+        if v[counter] != last or v["bucketfs_cache_write_queue_bytes"]:
+            last, since = v[counter], time.monotonic()
+        elif time.monotonic() - since >= quiet_s or time.monotonic() > end:
+            return v
+        time.sleep(0.1)
+
+
 def main() -> None:
-    global N, ROUNDS, THREADS, NEXT_EPOCH, BASE
+    global N, ROUNDS, THREADS, NEXT_EPOCH, BASE, FILL_RAM
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
@@ -74,8 +92,12 @@ def main() -> None:
     parser.add_argument("--next-epoch", action="store_true",
                         help="time a shuffled next epoch: no hints, packed in the read "
                              "order, packed in the announced next order")
+    parser.add_argument("--fill-ram", default="128MiB",
+                        help="the RAM tier of the mounts that fill the caches: smaller "
+                             "than the files, or nothing is laid out on SSD")
     args = parser.parse_args()
     N, ROUNDS, THREADS, NEXT_EPOCH = args.files, args.rounds, args.threads, args.next_epoch
+    FILL_RAM = args.fill_ram
     BASE = Path(tempfile.mkdtemp(prefix="bucketfs-packing-"))
     try:
         run()
@@ -107,7 +129,10 @@ def run() -> None:
     for name in names:
         cache = BASE / f"cache-{name}"
         args = ("--cache-dir", str(cache), "--disk-free-floor", "0", "--metrics-port", str(port))
-        with mounted(url, BASE / "mnt", *args) as mnt:
+        # Filled through a RAM tier smaller than the files, as on a node whose dataset
+        # outgrows it: a RAM tier that holds them all serves the next epoch itself, and
+        # nothing is laid out on SSD for it (bucketfs/packer.py).
+        with mounted(url, BASE / "mnt", *args, "--ram-cache", FILL_RAM) as mnt:
             if name != "no-hints":
                 send_order([str(mnt / k) for k in order], epoch=0, job="bench", strict=True,
                            next_follows=name == "next-order")
@@ -119,7 +144,9 @@ def run() -> None:
             if name != "no-hints":
                 # The next epoch starts: what is left of this one's layout is packed.
                 send_order([str(mnt / k) for k in timed], epoch=1, job="bench", strict=True)
-                v = wait(port, lambda v: v["bucketfs_cache_ssd_packed_bytes"] == total)
+                # Packed bytes count the write-through's chunks too: wait for the packer
+                # to stop writing (its counter still for a second).
+                v = settled(port, "bucketfs_packing_chunks_written_total")
                 print(f"{name}: {v['bucketfs_cache_ssd_chunks']:.0f} chunks, "
                       f"{v['bucketfs_cache_ssd_packed_bytes'] / 2**20:.1f} MiB packed",
                       flush=True)

@@ -71,8 +71,8 @@ def ssd_note(report: dict[str, Any]) -> str:
     blocks = ssd["hits"] + ssd.get("read_ahead", 0)
     text = f"{count(blocks)} blocks from the SSD tier"
     if ssd.get("read_ahead"):
-        text += (f" in {count(ssd['hits'])} reads: small files packed in read order, "
-                 "each read bringing the next")
+        text += (f" in {count(ssd['hits'])} reads: small files in chunks in the order "
+                 "they were fetched, a read bringing the ones after it")
     return text + (f"; {count(misses)} from the bucket" if misses else "")
 
 

@@ -311,7 +311,8 @@ class HintedPrefetch:
                 announced = None
             # Its next order announced, or about to be: the reads wait for it.
             self.packing.new_order(job, layout,
-                                   expect_next=order.next_follows or announced is not None)
+                                   expect_next=order.next_follows or announced is not None,
+                                   order_bytes=sum(obj.size for obj in objects))
             if announced is not None and announced.ready is not None:
                 self.packing.next_order(job, *announced.ready)
                 announced.ready = None

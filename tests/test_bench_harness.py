@@ -344,3 +344,16 @@ def test_placement_variants_name_cores_and_runtime_threads() -> None:
     text = summary([row("all", 16, 1.1), row("cpus4", 4, 0.9), row("all", 16, 1.0)])
     assert "| all | 16 | 1.00-1.10 ms (0.30 / 0.55 / 0.20) | 2,000 |" in text
     assert "| cpus4 | 4 | 0.90 ms (0.30 / 0.40 / 0.20) |" in text
+
+
+def test_the_hinted_cost_table_gives_each_arms_median_and_runs() -> None:
+    from bench.hinted_cost import ARMS, table
+
+    def row(arm: str, ms: float) -> dict:
+        return {"arm": arm, "cpu_ms_per_file": ms, "files_per_s": 600.0,
+                "cpu_ms_per_file_by_thread": {"loop": 0.5, "workers": ms - 0.8, "other": 0.3}}
+
+    rows = [row(arm, ms + i) for i, arm in enumerate(ARMS) for ms in (1.2, 1.3, 1.25)]
+    text = table(rows)
+    assert "| no hints | 1.25 ms (1.20, 1.30, 1.25) | 0.50 / 0.45 / 0.30 | 600 |" in text
+    assert "| the order and the next | 3.25 ms (3.20, 3.30, 3.25) |" in text

@@ -514,7 +514,8 @@ def refs(backend: MemoryBackend) -> dict[str, ObjectRef]:
 async def epoch(cache: BlockCache, packing: ChunkPacking, order: list[str],
                 objects: dict[str, ObjectRef], job=("job", 0)) -> None:
     """What the daemon does for one hinted epoch: the order, then each open and read."""
-    packing.new_order(job, layout_tag((k, objects[k].size) for k in order))
+    packing.new_order(job, layout_tag((k, objects[k].size) for k in order),
+                      order_bytes=sum(objects[k].size for k in order))
     for key in order:
         packing.opened(key, job)
         await cache.get(objects[key], 0)
@@ -550,7 +551,7 @@ def test_the_packer_lays_out_what_was_read_in_read_order(tmp_path):
             seen["written"] = packing.chunks_written
             nursery.cancel_scope.cancel()
 
-    run_cache(directory, backend, body)
+    run_cache(directory, backend, body, ram=1 * MiB)  # the next epoch reads SSD
     size = sum(len(d) for d in backend.objects.values())
     assert seen["chunks"] == seen["written"] == -(-size // (4 * MiB))
     assert not block_files(directory)

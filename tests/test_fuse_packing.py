@@ -36,6 +36,9 @@ pytestmark = [pytest.mark.fuse, pytest.mark.root]
 
 KiB = 1024
 COUNT = 240
+#: A RAM tier smaller than the bucket's ~26 MB: the next epoch reads SSD, so it is
+#: laid out there (a RAM tier that holds every file makes packing pointless).
+SMALL_RAM = ("--ram-cache", "16MiB")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +95,7 @@ def test_a_hinted_epoch_is_packed_in_read_order_and_served_from_chunks(bucket, t
     total = sum(map(len, files.values()))
     port = free_ports(1)[0]
     args = ("--cache-dir", str(tmp_path / "cache"), "--disk-free-floor", "0",
-            "--metrics-port", str(port))
+            "--metrics-port", str(port), *SMALL_RAM)
     with mounted(url, tmp_path / "mnt", *args) as mnt:
         hint(mnt, order, 0, port)
         # Cold: from the bucket, into the write-through's chunks in the order fetched.
@@ -150,7 +153,8 @@ def test_an_epoch_is_laid_out_in_the_order_the_sampler_will_read_next(bucket, tm
     total = sum(map(len, files.values()))
     port = free_ports(1)[0]
     cache = tmp_path / "cache"
-    args = ("--cache-dir", str(cache), "--disk-free-floor", "0", "--metrics-port", str(port))
+    args = ("--cache-dir", str(cache), "--disk-free-floor", "0", "--metrics-port", str(port),
+            *SMALL_RAM)
     with mounted(url, tmp_path / "mnt", *args) as mnt:
         dataset = DatasetFolder(str(mnt / "train"), loader=read_bytes,
                                 extensions=(".jpg",))
@@ -200,7 +204,7 @@ def test_kill_9_while_packing_then_remount_is_byte_exact(bucket, tmp_path,
     random.Random(chunks_before_kill).shuffle(order)
     port = free_ports(1)[0]
     cache = tmp_path / "cache"
-    args = ("--cache-dir", str(cache), "--disk-free-floor", "0")
+    args = ("--cache-dir", str(cache), "--disk-free-floor", "0", *SMALL_RAM)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     result = bucketfs("mount", url, str(mnt), *args, "--metrics-port", str(port))

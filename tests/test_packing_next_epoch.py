@@ -128,7 +128,9 @@ class Daemon:
         return layout_tag(("train/" + p, len(self.files[p])) for p in paths)
 
 
-def run(files: dict[str, bytes], directory: Path, body, *, ram: int = 64 * MiB) -> MemoryBackend:
+def run(files: dict[str, bytes], directory: Path, body, *, ram: int = 4 * MiB) -> MemoryBackend:
+    """`body(daemon)` over a cache whose RAM tier holds less than the dataset: the next
+    epoch reads SSD, so what it reads is laid out there."""
     backend = MemoryBackend({"train/" + k: v for k, v in files.items()})
 
     async def main() -> None:
@@ -210,6 +212,43 @@ def test_an_epoch_is_packed_in_the_announced_next_order(tmp_path, next_resolved_
     assert backend.calls["get"] == len(files)
 
 
+@pytest.mark.parametrize("ram_mib", [64, 4])
+def test_nothing_is_laid_out_for_a_next_epoch_the_ram_tier_will_serve(tmp_path, ram_mib):
+    """A RAM tier that holds every file of the order (~13 MB in 64 MiB) serves the next
+    epoch itself: what the epoch reads stays in the write-through's chunks, no chunk is
+    written for the announced order, and that epoch asks neither the bucket nor the SSD.
+    With 4 MiB the same epoch is laid out (the test above)."""
+    files = dataset()
+    epoch_0, epoch_1 = shuffled(list(files), 1), shuffled(list(files), 2)
+    seen: dict[str, object] = {}
+
+    async def body(daemon: Daemon) -> None:
+        daemon.prefetch.on_order(order(epoch_0, 0, next_follows=True))
+        daemon.prefetch.on_order(order(epoch_1, 1, next_epoch=True))
+        await daemon.until(lambda: JOB in daemon.packing.jobs
+                           and not daemon.packing.jobs[JOB].packer.expecting)
+        for path in epoch_0:
+            assert await daemon.read(path) == files[path]
+        await daemon.quiet()
+        seen["written"] = daemon.packing.chunks_written
+        seen["layouts"] = {tag for tag, _ in chunk_layouts(daemon.disk.index)}
+        reads = daemon.disk.chunks.reads
+        daemon.prefetch.on_order(order(epoch_1, 1))  # epoch 1 starts
+        for path in epoch_1:
+            assert await daemon.read(path) == files[path]
+        await daemon.quiet()
+        seen["ssd_reads"] = daemon.disk.chunks.reads - reads
+        seen["tag_1"] = daemon.layout(epoch_1)
+
+    backend = run(files, tmp_path / "cache", body, ram=ram_mib * MiB)
+    if ram_mib == 64:
+        assert seen["written"] == 0 and seen["layouts"] == {WRITE_THROUGH}
+        assert seen["ssd_reads"] == 0
+        assert backend.calls["get"] == len(files)
+    else:
+        assert seen["written"] > 0 and seen["tag_1"] in seen["layouts"]
+
+
 def test_the_next_order_relays_chunks_of_another_layout_and_reclaims_them(tmp_path):
     files = dataset()
     epochs = [shuffled(list(files), seed) for seed in (1, 2, 3)]
@@ -229,7 +268,7 @@ def test_the_next_order_relays_chunks_of_another_layout_and_reclaims_them(tmp_pa
         counts["records"] = daemon.disk.chunks.count
         counts["files"] = len(list((tmp_path / "cache/chunks").glob("*.chk")))
 
-    backend = run(files, tmp_path / "cache", body, ram=4 * MiB)  # mostly read back
+    backend = run(files, tmp_path / "cache", body)  # mostly read back
     first, second = seen
     tags = [layout_tag(("train/" + p, len(files[p])) for p in e) for e in epochs]
     assert {tag for tag, _ in first} == {tags[1]}
