@@ -441,6 +441,42 @@ def test_a_crash_between_a_batch_and_its_hole_leaves_every_member_readable(
     again.close()
 
 
+def test_holes_a_crash_left_unpunched_count_again_where_they_cannot_be_punched(
+        tmp_path, monkeypatch):
+    """The same crash, then a filesystem that punches no more holes: the recovery counts
+    the bytes it could not punch in their chunk and the budget again, so the budget never
+    counts less than the disk holds; a member evicted alone there frees nothing."""
+    directory = tmp_path / "cache"
+    blocks = files(8)
+    moving = dict(list(blocks.items())[:4])
+    disk = open_tier(directory)
+    assert pack(disk, blocks, LAYOUT_A)
+
+    def die(path, spans):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(disk.chunks.holes, "punch", die)
+    with pytest.raises(KeyboardInterrupt):
+        pack(disk, moving, LAYOUT_B)
+    monkeypatch.undo()
+    disk.index.close()
+    monkeypatch.setattr(chunk_holes, "_punch", lambda fd, offset, length: errno.EOPNOTSUPP)
+    again = open_tier(directory)
+    assert not again.chunks.holes.work
+    full, moved = sum(map(len, blocks.values())), sum(map(len, moving.values()))
+    assert totals(again) == (full + moved, 2, full + moved, full)
+    again.chunks.holes.work = True  # it says it can, and then refuses
+    stays = list(blocks)[4]
+    entry = again._entry(stays)
+    with again.lock:
+        freed = again.chunks.forget_member(entry, decode_packed(again.index[ENTRY + entry]))
+    assert freed == 0 and again.used == full + moved
+    again.close()
+    again = open_tier(directory)  # and the totals it saved are the records' sums
+    assert again.used == full + moved
+    again.close()
+
+
 def test_concurrent_reads_packing_and_eviction_never_return_wrong_bytes(tmp_path):
     directory = tmp_path / "cache"
     disk = open_tier(directory, capacity=3 * MiB, policy="lru")

@@ -117,7 +117,7 @@ class RecoversChunks:
                 record.live = live
                 index[key] = encode_chunk(record)
             self.live_bytes += live
-            if self.holes.work and record.size < sum(m.length for m in record.members):
+            if record.size < sum(m.length for m in record.members):
                 self._punch_dead(chunk, record)
         self.next_id = self._last_id() + 1
         self._sweep({self.path(chunk).name for chunk in recount})
@@ -125,7 +125,8 @@ class RecoversChunks:
     def _punch_dead(self, chunk: int, record: ChunkRecord) -> None:
         """Recovery: punch the members that left a chunk counted without them, in case
         the last run stopped between the batch that let them go and their holes (a
-        hole punched twice is still one hole)."""
+        hole punched twice is still one hole). Where that fails (or holes no longer
+        work here), the chunk counts them again."""
         index = self.space.index
         dead = []
         for m in record.members:
@@ -133,8 +134,11 @@ class RecoversChunks:
             packed = None if value is None else decode_packed(value)
             if packed is None or (packed.chunk, packed.offset) != (chunk, m.offset):
                 dead.append((m.offset, m.length))
-        if dead and not self.holes.punch(self.path(chunk), dead):
-            self._unpunched(chunk, sum(m.length for m in record.members) - record.size)
+        if not self.holes.punch(self.path(chunk), dead):
+            unpunched = sum(m.length for m in record.members) - record.size
+            self._unpunched(chunk, unpunched)
+            self.space.count_used(unpunched)
+            self.data_bytes += unpunched
 
     def _sweep(self, indexed: set[str]) -> None:
         if not self.directory.is_dir():

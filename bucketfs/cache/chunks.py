@@ -452,6 +452,11 @@ class ChunkStore(RecoversChunks):
         changes.dropped.append(chunk)
 
     def _apply(self, changes: _Changes) -> None:  # lock held, batch written
+        for chunk, spans, amount in changes.punch:
+            if not self.holes.punch(self.path(chunk), spans):
+                self._unpunched(chunk, amount)
+                changes.freed -= amount
+                changes.data += amount
         self.space.count_used(-changes.freed)
         self.count += changes.chunks
         self.data_bytes += changes.data
@@ -461,13 +466,10 @@ class ChunkStore(RecoversChunks):
             self._passes.forget(chunk)
         for path in changes.unlink:
             path.unlink(missing_ok=True)
-        for chunk, spans, amount in changes.punch:
-            if not self.holes.punch(self.path(chunk), spans):
-                self._unpunched(chunk, amount)
 
     def _unpunched(self, chunk: int, amount: int) -> None:  # lock held
         """A hole counted as punched was not (the filesystem refused it): its bytes
-        count in the chunk's size and the budget again."""
+        count in the chunk's record again (the caller counts them in the totals)."""
         value = self.space.index.get(chunk_key(chunk))
         record = None if value is None else self._parsed(value)
         if record is None:
@@ -478,8 +480,6 @@ class ChunkStore(RecoversChunks):
         record.size += amount
         batch.put(chunk_key(chunk), encode_chunk(record))
         self.space.index.write(batch)
-        self.space.count_used(amount)
-        self.data_bytes += amount
 
     def drop(self, chunk: int) -> int | None:  # lock held
         """Delete a chunk and its members' records (eviction, a damaged file); its data
