@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import platform
 import random
@@ -59,6 +58,7 @@ from typing import Any
 from bench.fresh_memory import touch
 from bench.harness.fuse_census import Census
 from bench.harness.procstats import cpu_seconds, self_cpu, split_by_thread, thread_cpu
+from bench.harness.saving import save_results
 from bench.harness.tree import this_tree
 from bucketfs.hints import send_order
 from bucketfs.hints.client import Target
@@ -526,11 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     results = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"dataplane-{stamp}.json").write_text(json.dumps(results, indent=1))
     text = report(results)
-    (args.out / f"dataplane-{stamp}.md").write_text(text)
+    save_results(args.out, "dataplane", results, text)
     print(text)
     return 0
 

@@ -26,14 +26,13 @@ synthetic steps (the batch already on the GPU) gives the images/s the GPU alone 
 The daemon's CPU (/proc/PID/stat) per file, the S3 server's (it shares the node's cores
 here; a real bucket is remote), and the loader's (this process and its workers) per
 image. Needs root (FUSE, drop_caches). Results: JSON and a markdown table
-under --out (bench/results/gpu-<time>/).
+under --out (bench/results/gpu-epoch-<time>.json and .md).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import platform
 import shlex
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.procstats import cpu_seconds
+from bench.harness.saving import save_results
 
 ARMS = ("local", "bucketfs", "bucketfs-hints")
 CLASSES = 100
@@ -327,8 +327,6 @@ def main(argv: list[str] | None = None) -> int:
     from bench.dataplane import BUCKET, Mount
     from tests.servers import S3Server
 
-    out = args.out / time.strftime("gpu-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bucketfs-gpu-epoch-"))
     try:
         began = time.monotonic()
@@ -364,10 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                     result["arms"][arm] = run_arm(
                         trainer, mount.mountpoint, args, hinted=arm == "bucketfs-hints",
                         daemon_pid=mount.pid, server_pid=server.pid)
-        (out / "gpu_epoch.json").write_text(json.dumps(result, indent=2))
-        (out / "gpu_epoch.md").write_text(markdown(result))
+        path = save_results(args.out, "gpu-epoch", result, markdown(result))
         print(markdown(result))
-        print(f"results: {out}")
+        print(f"results: {path}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -20,7 +20,6 @@ third arm packs. Needs root (FUSE). Results: JSON and a markdown table under --o
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.dataplane import Mount, make_dataset
+from bench.harness.saving import save_results
 from bucketfs.hints import send_next_order, send_order
 from tests.servers import S3Server
 
@@ -97,11 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {round_ + 1}, {arm}: {row['cpu_ms_per_file']:.2f} ms per file",
                       flush=True)
     text = table(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"hinted-cost-{stamp}.json").write_text(json.dumps(
-        {"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
-    (args.out / f"hinted-cost-{stamp}.md").write_text(text)
+    save_results(args.out, "hinted-cost", {"args": vars(args) | {"out": str(args.out)},
+                                           "rows": rows}, text)
     print(text)
     return 0
 

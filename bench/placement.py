@@ -21,7 +21,6 @@ does. Needs root (FUSE, drop_caches). Results: JSON and a markdown table under -
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.dataplane import Mount, drop_page_cache, make_dataset
+from bench.harness.saving import save_results
 from tests.servers import S3Server
 
 
@@ -131,11 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"ms per file, {row['cold']['files_per_s']:,.0f} files/s", flush=True)
     result = {"machine": f"{os.cpu_count()} cores", "args": vars(args) | {"out": str(args.out)},
               "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"placement-{stamp}.json").write_text(json.dumps(result, indent=1))
     text = summary(rows)
-    (args.out / f"placement-{stamp}.md").write_text(text)
+    save_results(args.out, "placement", result, text)
     print(text)
     return 0
 

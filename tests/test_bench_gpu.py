@@ -61,8 +61,8 @@ def test_a_whole_run_trains_through_the_mount_and_reports_every_arm(tmp_path: Pa
         "--batch-size", "16", "--workers", "2", "--epochs", "2", "--device", "cpu",
         "--gpu-bound-steps", "1", "--out", str(tmp_path)])
     assert code == 0
-    (run,) = tmp_path.glob("gpu-*")
-    result = json.loads((run / "gpu_epoch.json").read_text())
+    (saved,) = tmp_path.glob("gpu-epoch-*.json")
+    result = json.loads(saved.read_text())
     assert list(result["arms"]) == list(gpu_epoch.ARMS)
     for arm, rows in result["arms"].items():
         assert [row["epoch"] for row in rows] == [1, 2]
@@ -70,4 +70,4 @@ def test_a_whole_run_trains_through_the_mount_and_reports_every_arm(tmp_path: Pa
         assert ("daemon_cpu_ms_per_file" in rows[0]) == arm.startswith("bucketfs")
     # The first epoch through the mount made the daemon work; its rows are in the table.
     assert result["arms"]["bucketfs"][0]["daemon_cpu_s"] > 0
-    assert "| bucketfs-hints | 2 |" in (run / "gpu_epoch.md").read_text()
+    assert "| bucketfs-hints | 2 |" in saved.with_suffix(".md").read_text()

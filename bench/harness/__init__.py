@@ -20,4 +20,6 @@ Modules, one job each:
   report      results.json, the Markdown tables and the PNG plots
   runner      the orchestration of one run
   tree        which bucketfs a spawned daemon imports: this checkout's
+  saving      where a one-command benchmark (bench.dataplane and the like) leaves its
+              JSON and Markdown
 """
