@@ -234,8 +234,9 @@ OPTIONS: tuple[Option, ...] = (
            "own 12 starves many readers); needs the same pyfuse3", "64"),
     Option("mount", "cpus", parse_cpus, None,
            "cores the daemon's threads run on: a count (the last N it may use) or a "
-           "list such as 8-11; on a 16-core node 4 served as many files/s at 10-15% "
-           "less CPU per file (bucketfs/placement.py; default: every core)", None),
+           "list such as 8-11; on a 16-core node 4 served as many files/s at 10 to 15 "
+           "percent less CPU per file (bucketfs/placement.py; default: every core)",
+           None),
     Option("mount", "log_level", _choice("debug", "info", "warning", "error"), "info",
            "log verbosity", '"info"'),
     Option("mount", "log_file", _optional_str, None,

@@ -20,6 +20,7 @@ from torchvision.datasets import DatasetFolder
 
 from bucketfs.hints import HintSampler, send_order
 from bucketfs.packer import layout_tag
+from bucketfs.prefetch.layout import DEFAULT_CHUNK_BYTES, plan_chunks
 from tests.crashing import open_index
 from tests.mounting import (
     bucketfs,
@@ -176,7 +177,11 @@ def test_an_epoch_is_laid_out_in_the_order_the_sampler_will_read_next(bucket, tm
         assert read == [files[key] for key in epoch_0]
         # A chunk planned by epoch 1's order is written once all its files were read:
         # every chunk, during epoch 0 (nothing flushed them: no epoch 1 order was sent).
-        packed = wait_for(port, lambda v: v["bucketfs_cache_ssd_packed_bytes"] == total)
+        # Packed bytes alone say nothing: the write-through's chunks count in them too.
+        planned = len(plan_chunks(((key, len(files[key])) for key in epoch_1),
+                                  chunk_bytes=DEFAULT_CHUNK_BYTES))
+        packed = wait_for(port, lambda v: v["bucketfs_cache_ssd_packed_bytes"] == total
+                          and v["bucketfs_packing_chunks_written_total"] >= planned)
         assert packed["bucketfs_cache_ssd_packed_bytes"] == total
         assert packed["bucketfs_hints_orders_total"] == 1  # the announcement is not one
     chunks = indexed_chunks(cache)
