@@ -175,6 +175,7 @@ class ChunkStore(RecoversChunks):
             return chunk_of_key(it.key())
         return -1
 
+    # The recovery after an unclean close: chunk_recovery.py (RecoversChunks).
 
     # --- reads --------------------------------------------------------------------------
 
