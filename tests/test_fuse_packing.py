@@ -113,7 +113,11 @@ def test_a_hinted_epoch_is_packed_in_read_order_and_served_from_chunks(bucket, t
         read_in_order(mnt, files, order)  # packed as read, from the SSD tier
         hint(mnt, order, 2, port)  # and again: the last chunk is packed now
         most = total / (4 * 1024**2) + 2
-        packed = wait_for(port, lambda v: v["bucketfs_cache_ssd_chunks"] <= most)
+        # Done when every chunk left is one the packer wrote: while it still writes,
+        # the write-through's chunks it empties go one by one.
+        packed = wait_for(port, lambda v: v["bucketfs_cache_ssd_chunks"] <= most
+                          and v["bucketfs_packing_chunks_written_total"]
+                          >= v["bucketfs_cache_ssd_chunks"])
         assert packed["bucketfs_cache_ssd_packed_bytes"] == total
         chunks = packed["bucketfs_cache_ssd_chunks"]  # the write-through's emptied, gone
         assert total / (4 * 1024**2) <= chunks <= most

@@ -24,14 +24,12 @@ from bucketfs.cache.chunk_holes import Holes
 from bucketfs.cache.chunk_space import SsdSpace
 from bucketfs.cache.schema import (
     CHUNK,
-    ENTRY,
     ChunkRecord,
     Packed,
     chunk_key,
     chunk_of_key,
     chunk_rank_name,
     decode_chunk,
-    decode_packed,
     encode_chunk,
 )
 
@@ -51,7 +49,7 @@ class RecoversChunks:
     #: During a recovery scan: chunk id -> the live bytes its members add up to.
     _recount: dict[int, int] | None
 
-    # And ChunkStore's path, _last_id, _drop_record and _unpunched.
+    # And ChunkStore's path, _last_id, _holds_member, _drop_record and _unpunched.
 
     def recover_chunks(self, rebuild: bool) -> None:
         """Recovery, step 1 (before the entries are scanned): count the chunk records
@@ -117,25 +115,20 @@ class RecoversChunks:
                 record.live = live
                 index[key] = encode_chunk(record)
             self.live_bytes += live
-            if record.size < sum(m.length for m in record.members):
-                self._punch_dead(chunk, record)
+            written = sum(m.length for m in record.members)
+            if record.size < written:
+                self._punch_dead(chunk, record, written - record.size)
         self.next_id = self._last_id() + 1
         self._sweep({self.path(chunk).name for chunk in recount})
 
-    def _punch_dead(self, chunk: int, record: ChunkRecord) -> None:
-        """Recovery: punch the members that left a chunk counted without them, in case
-        the last run stopped between the batch that let them go and their holes (a
-        hole punched twice is still one hole). Where that fails (or holes no longer
-        work here), the chunk counts them again."""
-        index = self.space.index
-        dead = []
-        for m in record.members:
-            value = index.get(ENTRY + m.entry)
-            packed = None if value is None else decode_packed(value)
-            if packed is None or (packed.chunk, packed.offset) != (chunk, m.offset):
-                dead.append((m.offset, m.length))
+    def _punch_dead(self, chunk: int, record: ChunkRecord, unpunched: int) -> None:
+        """Recovery: punch the members that left a chunk counted without them (their
+        `unpunched` bytes), in case the last run stopped between the batch that let
+        them go and their holes (a hole punched twice is still one hole). Where that
+        fails (or holes no longer work here), the chunk counts them again."""
+        dead = [(m.offset, m.length) for m in record.members
+                if not self._holds_member(chunk, m)]
         if not self.holes.punch(self.path(chunk), dead):
-            unpunched = sum(m.length for m in record.members) - record.size
             self._unpunched(chunk, unpunched)
             self.space.count_used(unpunched)
             self.data_bytes += unpunched

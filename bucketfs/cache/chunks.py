@@ -419,28 +419,34 @@ class ChunkStore(RecoversChunks):
         # after the batch leaves the bytes unpunched: recovery punches them.
         if self.holes.work:
             changes.punch.append((chunk, [(p.offset, p.length) for p in leaving], amount))
-            cost = max(0.0, record.cost - sum(p.cost for p in leaving))
-            self.space.ranking.resized(batch, chunk_rank_name(chunk), record.size,
-                                       record.cost, record.size - amount, cost,
-                                       record.state)
-            record.size -= amount
-            record.cost = cost
+            self._resize(batch, chunk, record, record.size - amount,
+                         max(0.0, record.cost - sum(p.cost for p in leaving)))
             changes.freed += amount
             changes.data -= amount
         batch.put(key, encode_chunk(record))
+
+    def _holds_member(self, chunk: int, member: Member) -> bool:  # lock held
+        """Whether `member` of the chunk's table still lives there (its record names the
+        chunk; one that left has a record elsewhere, or none)."""
+        value = self.space.index.get(ENTRY + member.entry)
+        packed = None if value is None else decode_packed(value)
+        return packed is not None and packed.chunk == chunk
+
+    def _resize(self, batch: WriteBatch, chunk: int, record: ChunkRecord, size: int,
+                cost: float) -> None:  # lock held
+        """The chunk now counts `size` bytes and `cost`: its rank keys in `batch`, and
+        `record`, which the caller puts."""
+        self.space.ranking.resized(batch, chunk_rank_name(chunk), record.size, record.cost,
+                                   size, cost, record.state)
+        record.size, record.cost = size, cost
 
     def _drop_into(self, batch: WriteBatch, chunk: int, record: ChunkRecord,
                    changes: _Changes, keep: set[bytes] | frozenset[bytes] = frozenset(),
                    ) -> None:  # lock held
         """Add the deletion of the chunk (record, ranks, members still in it) to `batch`;
         members named in `keep` are being given new records in the same batch."""
-        index = self.space.index
         for m in record.members:
-            if m.entry in keep:
-                continue
-            value = index.get(ENTRY + m.entry)
-            packed = None if value is None else decode_packed(value)
-            if packed is not None and packed.chunk == chunk:
+            if m.entry not in keep and self._holds_member(chunk, m):
                 batch.delete(ENTRY + m.entry)
         self.space.ranking.removed(batch, chunk_rank_name(chunk), record.size, record.cost,
                                    record.state)
@@ -476,9 +482,7 @@ class ChunkStore(RecoversChunks):
         if record is None:
             return
         batch = WriteBatch(raw_mode=True)
-        self.space.ranking.resized(batch, chunk_rank_name(chunk), record.size, record.cost,
-                                   record.size + amount, record.cost, record.state)
-        record.size += amount
+        self._resize(batch, chunk, record, record.size + amount, record.cost)
         batch.put(chunk_key(chunk), encode_chunk(record))
         self.space.index.write(batch)
 
