@@ -52,10 +52,16 @@ class ReadSettings:
 
 
 class OpenFile:
-    def __init__(self, obj: ObjectRef, settings: ReadSettings) -> None:
+    __slots__ = ("last", "next_block", "obj", "window")
+
+    def __init__(self, obj: ObjectRef, settings: ReadSettings, *,
+                 one_block: bool = False) -> None:
+        """`one_block`: the object is one block, so there is nothing to read ahead
+        (most files of an image dataset): no window is kept."""
         self.obj = obj
         initial = min(settings.readahead_initial, settings.readahead_max)
-        self.window = SequentialWindow(obj.size, initial=initial, maximum=settings.readahead_max)
+        self.window = None if one_block else SequentialWindow(
+            obj.size, initial=initial, maximum=settings.readahead_max)
         #: Blocks below this index have been requested ahead (or read) already.
         self.next_block = 0
         #: The last block read, kept only when the RAM tier cannot hold it (a RAM tier
@@ -91,7 +97,8 @@ class Reader:
         self.opens += 1
         if self.on_open is not None:
             self.on_open(key)
-        return OpenFile(ObjectRef(key, version, size), self.settings)
+        return OpenFile(ObjectRef(key, version, size), self.settings,
+                        one_block=size <= self.block_size)
 
     async def read(self, handle: OpenFile, offset: int, length: int) -> bytes | memoryview:
         """Bytes [offset, offset + length) of the handle's version, clamped to its size.
@@ -102,6 +109,12 @@ class Reader:
         end = min(offset + length, obj.size)
         if offset >= end:
             return b""
+        if handle.window is None:  # one block: no read-ahead, no joins
+            data = memoryview(await self._block(handle, 0))[offset:end]
+            if len(data) != end - offset:  # blocks are exact; anything else is a bug
+                raise RuntimeError(f"assembled {len(data)} bytes for a read of {end - offset}")
+            self.bytes_read += len(data)
+            return data
         needed = blocks_covering(obj.size, self.block_size, offset, end)
         ahead_until = block_span(obj.size, self.block_size, handle.next_block - 1)[1] \
             if handle.next_block > needed.start else offset

@@ -82,6 +82,33 @@ def test_small_file_is_one_whole_object_get():
     assert backend.get_ranges == [("img.jpg", 0, 300 * KiB)]
 
 
+@pytest.mark.parametrize("size", [1, 300 * KiB, 1 * MiB, 1 * MiB + 1])
+def test_a_one_block_file_is_read_exactly_without_read_ahead(size):
+    # A file no larger than a block keeps no read-ahead window (nothing lies beyond its
+    # one block); one byte more and it does, and its second block is read ahead.
+    data = blob(size, seed=size)
+    backend = MemoryBackend({"f": data})
+    rng = random.Random(size)
+
+    async def main(nursery):
+        reader = make_reader(backend, nursery, block=1 * MiB)
+        handle = reader.open("f", backend.version("f"), size)
+        assert (handle.window is None) == (size <= 1 * MiB)
+        assert await reader.read(handle, 0, size) == data
+        for _ in range(50):
+            offset = rng.randrange(0, size + 5)
+            length = rng.randrange(1, size + 10)
+            assert await reader.read(handle, offset, length) == data[offset:offset + length]
+        assert await reader.read(handle, size, 10) == b""
+        assert reader.bytes_read >= size
+        if size <= 1 * MiB:
+            assert reader.prefetches == 0
+
+    run(main)
+    # One GET per block, whatever the reads: the second block of the 1 MiB + 1 file once.
+    assert backend.calls["get"] == -(-size // MiB)
+
+
 def test_random_reads_are_exact_and_past_eof_is_empty():
     data = blob(3 * MiB + 7)
     backend = MemoryBackend({"f": data})

@@ -9,7 +9,8 @@ block sizes share the entries whose spans agree and never mistake one for anothe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,14 +20,19 @@ class ObjectRef:
     size: int
 
 
-@dataclass(frozen=True, slots=True)
-class BlockId:
-    """Block `index` of an object version of `size` bytes, as one mount cuts it."""
+class BlockId(NamedTuple):
+    """Block `index` of an object version of `size` bytes, as one mount cuts it.
+
+    A named tuple, not a dataclass: a block is a key of every tier's and policy's
+    dicts, several lookups per read, each with an instance made for that read, and a
+    tuple hashes and compares in C. A frozen dataclass's generated `__hash__` and
+    `__eq__` run as Python: 6.5 against 2.4 us for one made and looked up five times
+    (docs/BENCHMARKS.md, step 26). Pass `size` by name."""
 
     key: str
     version: str
     index: int
-    size: int = field(kw_only=True)
+    size: int
 
 
 def block_span(size: int, block_size: int, index: int) -> tuple[int, int]:

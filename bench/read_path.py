@@ -1,0 +1,138 @@
+"""The daemon's Python read path in one process, without FUSE or a server:
+
+    python -m bench.read_path [--files 2000] [--rounds 15] [--out DIR]
+
+FILES objects of ~100 KB (one block each) in an in-memory bucket, read through
+`fs.Operations.read` as the kernel asks when it opens files itself (a read at offset 0
+starts a file), over the mount's own parts: namespace, reader, block cache, RAM tier
+under the hinted eviction policy. Three passes:
+  - cold: every file fetched from the in-memory bucket (a worker thread each), the
+    RAM tier emptied before each round;
+  - warm: every file again from the RAM tier, its read state kept;
+  - warm, inode not seen before: the read states dropped first, so each read looks its
+    inode up in the index (the first read of a file after a listing).
+For each: Python function calls per read (cProfile's count: the same on every run, so
+two trees compare on a noisy machine), and CPU per read (`time.process_time`, min and
+median over ROUNDS shuffled rounds, without the profiler). No FUSE dispatch, kernel copy
+or GET client: what `bench.dataplane` measures on a real mount includes those.
+Results: JSON and a markdown table under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.harness.saving import save_results
+from bucketfs.backends.retry import RetryPolicy
+from bucketfs.backends.store import ObjectStore
+from bucketfs.cache.blocks import BlockId
+from bucketfs.cache.ram import RamTier
+from bucketfs.cache.tier import CacheEvents
+from bucketfs.cache.tiered import BlockCache
+from bucketfs.fs import PATCHED_PYFUSE3, Operations
+from bucketfs.namespace import Namespace
+from bucketfs.prefetch.eviction import make_policy
+from bucketfs.prefetch.next_use import HintedPolicy, NextUse
+from bucketfs.prefetch.scheduler import PrefetchScheduler
+from bucketfs.reader import ByteBudget, Reader, ReadSettings
+from tests.membackend import MemoryBackend
+
+PASSES = ("cold", "warm", "warm, inode not seen before")
+
+
+async def measure(files: int, rounds: int) -> dict[str, dict[str, float]]:
+    objects = {f"train/c{i % 20}/{i:05d}.jpg": random.Random(i).randbytes(100_000 + i)
+               for i in range(files)}
+    store = ObjectStore(MemoryBackend(objects), max_workers=8, retry=RetryPolicy(1))
+    namespace = Namespace(store, "train/")
+    scheduler = PrefetchScheduler(window_bytes=1 << 28, budget_bytes=1 << 28)
+    policy = HintedPolicy(make_policy(), NextUse(scheduler),
+                          key_of=lambda b: b.key if isinstance(b, BlockId) else b)
+    results: dict[str, dict[str, float]] = {}
+    async with trio.open_nursery() as nursery:
+        cache = BlockCache(store, RamTier(2 << 30, policy, CacheEvents()), None,
+                           block_size=4 << 20, nursery=nursery)
+        reader = Reader(cache, ByteBudget(1 << 29), ReadSettings(), nursery)
+        operations = Operations(namespace, reader, uid=0, gid=0, kernel_ttl=60,
+                                kernel_opens=PATCHED_PYFUSE3)
+        inodes = [entry.inode for directory in await namespace.children(1)
+                  for entry in await namespace.children(directory.inode)]
+
+        async def one_pass(order: list[int], fresh: bool) -> float:
+            if fresh:
+                operations.read_states.clear()
+            began = time.process_time()
+            for inode in order:
+                if not operations.kernel_opens:  # stock pyfuse3: an open per file
+                    fh = (await operations.open(inode, 0, None)).fh
+                    await operations.read(fh, 0, 131072)
+                    await operations.release(fh)
+                else:
+                    await operations.read(inode, 0, 131072)
+            return (time.process_time() - began) / len(order) * 1e6
+
+        def empty_ram() -> None:
+            for block, _, _ in cache.ram.items():
+                cache.ram.remove(block)
+
+        for name in PASSES:
+            order = list(inodes)
+            random.Random(name).shuffle(order)
+            cpu = []
+            # A cold pass empties the RAM tier first; each pass runs ROUNDS times, and
+            # once more under the profiler to count its calls.
+            for round_ in range(rounds):
+                random.Random(round_).shuffle(order)
+                if name == "cold":
+                    empty_ram()
+                cpu.append(await one_pass(order, name != "warm"))
+            if name == "cold":
+                empty_ram()
+            profile = cProfile.Profile()
+            profile.enable()
+            await one_pass(order, name != "warm")
+            profile.disable()
+            calls = pstats.Stats(profile).total_calls / len(order)  # type: ignore[attr-defined]
+            results[name] = {"python_calls_per_read": calls, "cpu_us_min": min(cpu),
+                             "cpu_us_median": statistics.median(cpu)}
+        nursery.cancel_scope.cancel()
+    namespace.close()
+    return results
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    lines = ["| pass | Python calls per read | CPU per read, min / median |",
+             "| --- | ---: | --- |"]
+    for name, row in results.items():
+        lines.append(f"| {name} | {row['python_calls_per_read']:.1f} | "
+                     f"{row['cpu_us_min']:.1f} / {row['cpu_us_median']:.1f} us |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.read_path",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    results = trio.run(measure, args.files, args.rounds)
+    text = table(results)
+    print(text, end="")
+    report: dict[str, Any] = {"args": vars(args) | {"out": str(args.out)},
+                              "passes": results}
+    save_results(args.out, "read-path", report, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
