@@ -111,14 +111,21 @@ class Reader:
             return b""
         if handle.window is None:  # one block: no read-ahead, no joins
             data = memoryview(await self._block(handle, 0))[offset:end]
-            if len(data) != end - offset:  # blocks are exact; anything else is a bug
-                raise RuntimeError(f"assembled {len(data)} bytes for a read of {end - offset}")
-            self.bytes_read += len(data)
-            return data
+        else:
+            data = await self._read_blocks(handle, handle.window, offset, end)
+        if len(data) != end - offset:  # blocks are exact; anything else is a bug
+            raise RuntimeError(f"assembled {len(data)} bytes for a read of {end - offset}")
+        self.bytes_read += len(data)
+        return data
+
+    async def _read_blocks(self, handle: OpenFile, window: SequentialWindow, offset: int,
+                           end: int) -> bytes | memoryview:
+        """[offset, end) of a file of several blocks, reading ahead as `window` says."""
+        obj = handle.obj
         needed = blocks_covering(obj.size, self.block_size, offset, end)
         ahead_until = block_span(obj.size, self.block_size, handle.next_block - 1)[1] \
             if handle.next_block > needed.start else offset
-        plan = handle.window.on_read(offset, end, max(ahead_until, offset))
+        plan = window.on_read(offset, end, max(ahead_until, offset))
         if not plan.sequential:
             handle.next_block = needed.stop  # a seek: read-ahead starts over from here
         else:
@@ -128,11 +135,7 @@ class Reader:
             start = index * self.block_size
             block = memoryview(await self._block(handle, index))
             chunks.append(block[max(offset, start) - start:min(end, start + len(block)) - start])
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        if len(data) != end - offset:  # blocks are exact; anything else is a bug
-            raise RuntimeError(f"assembled {len(data)} bytes for a read of {end - offset}")
-        self.bytes_read += len(data)
-        return data
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _block(self, handle: OpenFile, index: int) -> bytes:
         if handle.last is not None and handle.last[0] == index:
