@@ -5,9 +5,13 @@
 FILES objects of ~100 KB (one block each) in an in-memory bucket, read through
 `fs.Operations.read` as the kernel asks when it opens files itself (a read at offset 0
 starts a file), over the mount's own parts: namespace, reader, block cache, RAM tier
-under the hinted eviction policy. Three passes:
+under the hinted eviction policy, hinted prefetch told of every open (as on a mount,
+where hints are on by default). Four passes:
   - cold: every file fetched from the in-memory bucket (a worker thread each), the
     RAM tier emptied before each round;
+  - cold, the order sent first: as a job with HintSampler reads, the round's order
+    given to hinted prefetch just before the reads (resolved, planned and prefetched
+    while they go on; the pass ends when the last prefetch has);
   - warm: every file again from the RAM tier, its read state kept;
   - warm, inode not seen before: the read states dropped first, so each read looks its
     inode up in the index (the first read of a file after a listing).
@@ -40,14 +44,16 @@ from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tier import CacheEvents
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.fs import PATCHED_PYFUSE3, Operations
+from bucketfs.hints.protocol import Order
 from bucketfs.namespace import Namespace
 from bucketfs.prefetch.eviction import make_policy
 from bucketfs.prefetch.next_use import HintedPolicy, NextUse
 from bucketfs.prefetch.scheduler import PrefetchScheduler
+from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
 from tests.membackend import MemoryBackend
 
-PASSES = ("cold", "warm", "warm, inode not seen before")
+PASSES = ("cold", "cold, the order sent first", "warm", "warm, inode not seen before")
 
 
 async def measure(files: int, rounds: int) -> dict[str, dict[str, float]]:
@@ -62,16 +68,27 @@ async def measure(files: int, rounds: int) -> dict[str, dict[str, float]]:
     async with trio.open_nursery() as nursery:
         cache = BlockCache(store, RamTier(2 << 30, policy, CacheEvents()), None,
                            block_size=4 << 20, nursery=nursery)
-        reader = Reader(cache, ByteBudget(1 << 29), ReadSettings(), nursery)
+        prefetch = HintedPrefetch(namespace, cache, scheduler, connections=14,
+                                  block_size=4 << 20)
+        reader = Reader(cache, ByteBudget(1 << 29), ReadSettings(), nursery,
+                        on_open=prefetch.observed_open)
+        await nursery.start(prefetch.run)
         operations = Operations(namespace, reader, uid=0, gid=0, kernel_ttl=60,
                                 kernel_opens=PATCHED_PYFUSE3)
-        inodes = [entry.inode for directory in await namespace.children(1)
-                  for entry in await namespace.children(directory.inode)]
+        paths = {entry.inode: f"{directory.name}/{entry.name}"
+                 for directory in await namespace.children(1)
+                 for entry in await namespace.children(directory.inode)}
+        inodes = list(paths)
+        epochs = iter(range(1 << 30))
 
-        async def one_pass(order: list[int], fresh: bool) -> float:
+        async def one_pass(order: list[int], fresh: bool, hinted: bool) -> float:
             if fresh:
                 operations.read_states.clear()
             began = time.process_time()
+            if hinted:
+                prefetch.on_order(Order(job="bench", rank=0, world_size=1,
+                                        epoch=next(epochs),
+                                        paths=[paths[inode] for inode in order]))
             for inode in order:
                 if not operations.kernel_opens:  # stock pyfuse3: an open per file
                     fh = (await operations.open(inode, 0, None)).fh
@@ -79,6 +96,8 @@ async def measure(files: int, rounds: int) -> dict[str, dict[str, float]]:
                     await operations.release(fh)
                 else:
                     await operations.read(inode, 0, 131072)
+            while scheduler.inflight_bytes:  # what prefetch has in flight counts too
+                await trio.sleep(0.001)
             return (time.process_time() - began) / len(order) * 1e6
 
         def empty_ram() -> None:
@@ -97,14 +116,17 @@ async def measure(files: int, rounds: int) -> dict[str, dict[str, float]]:
             for profiled in (False, True):
                 for round_ in range(rounds):
                     random.Random(round_).shuffle(order)
-                    if name == "cold":
+                    if name.startswith("cold"):
                         empty_ram()
+                    args = (order, name != "warm", name.startswith("cold, the order"))
                     if profiled:
                         profile.enable()
-                        await one_pass(order, name != "warm")
+                        await one_pass(*args)
                         profile.disable()
                     else:
-                        cpu.append(await one_pass(order, name != "warm"))
+                        cpu.append(await one_pass(*args))
+                    if args[2]:  # the job is done: the warm passes read with no plan
+                        prefetch.on_end("bench")
             calls = pstats.Stats(profile).total_calls / (rounds * len(order))  # type: ignore[attr-defined]
             results[name] = {"python_calls_per_read": calls, "cpu_us_min": min(cpu),
                              "cpu_us_median": statistics.median(cpu)}

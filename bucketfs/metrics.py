@@ -308,9 +308,9 @@ class MountCollector(Collector):
 
 
     def _hints(self, prefetch: HintedPrefetch) -> Iterator[Metric]:
-        # A snapshot the trio thread keeps current: the scheduler itself is not
+        # Copied by the trio thread for this scrape: the scheduler itself is not
         # thread-safe, and scrapes come from the server's thread.
-        stats = prefetch.last_stats
+        stats = prefetch.stats_from_thread()
         for name, doc, value in (
             ("hints_orders_total", "Access orders received on the hints socket.",
              prefetch.orders),

@@ -6,12 +6,16 @@ one index read per file), with a checkpoint every few thousand paths so FUSE req
 are not held up, and handed to the pure `PrefetchScheduler` as (object key, size). A
 newer order from the same job (rank) supersedes one still being resolved.
 
-One task runs the fetches: it asks the scheduler what to start (at most `connections`
-at once, fewer than the origin's connections, so a reader's own miss always finds a
-free one), reads every block of the object through the `BlockCache` (RAM, SSD, or one
-single-flight GET shared with any reader that wants it meanwhile), and reports back
-`fetched`, `failed` or `cancelled`. A new order that no longer wants a fetch in flight
-cancels it.
+One task starts the fetches: woken by an order, an open while a fetch slot is free, or
+a cancellation, it asks the scheduler what to start (at most the adaptive target, and
+at most `connections`, fewer than the origin's connections, so a reader's own miss
+always finds a free one), and starts a task for each. That task reads every block of
+the object through the `BlockCache` (RAM, SSD, or one single-flight GET shared with any
+reader that wants it meanwhile), reports back `fetched`, `failed` or `cancelled`, and
+then, while its slot is still wanted, asks the scheduler for the next fetch itself: a
+finished fetch wakes no other task. A new order that no longer wants a fetch in flight
+cancels it. The scheduler's counters are copied for /metrics when a scrape asks (the
+trio thread makes the copy), not at every event.
 
 The read path tells the scheduler where each reader is: `Reader.open` calls
 `observed_open(key)` once per opened file. Readers start as soon as their order is sent,
@@ -36,6 +40,7 @@ import collections
 import functools
 import itertools
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -66,6 +71,9 @@ _RESOLVE_SLICE = 2048
 #: saying so (kill -9): it is dropped, so its window stops holding the shared budget.
 PLAN_IDLE_S = 900.0
 _IDLE_CHECK_S = 30.0
+#: How long a scrape of /metrics waits for the trio thread to copy the scheduler's
+#: counters before it takes the last copy (a loop that busy is worth a stale figure).
+STATS_WAIT_S = 1.0
 #: Orders (and announcements) being resolved at once, and the bytes of paths they may
 #: hold together: past either, a new order is refused with an error reply. A node's
 #: ranks send two each per epoch; a dataset of a million ~100-byte paths is ~100 MB.
@@ -136,9 +144,11 @@ class HintedPrefetch:
         self.refused_orders = 0
         self.failed_orders = 0
         self.next_orders = 0
-        #: The scheduler's counters as of the last wake-up of `run`, which every event
-        #: causes (read by the metrics thread, so taken on the trio thread).
+        #: The scheduler's counters as last copied on the trio thread (the scheduler is
+        #: not thread-safe). Copied when asked: at every event, the copy was a share of
+        #: what hints cost a cold file.
         self.last_stats: PrefetchStats = self.scheduler.stats()
+        self._token: trio.lowlevel.TrioToken | None = None
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -146,30 +156,62 @@ class HintedPrefetch:
             if self.packing is not None:
                 start_guarded(nursery, "chunk packing", self.packing.run)
             start_guarded(nursery, "expiring idle plans", self._expire_idle_plans)
+            self._token = trio.lowlevel.current_trio_token()
             task_status.started()
             while True:
                 try:
                     self._start_fetches(nursery)
-                    # Once per wake-up, not per event: the events of a tick share one.
-                    self.last_stats = self.scheduler.stats()
                 except Exception as exc:  # a bug in planning: hints stall, reads go on
                     failed("starting prefetches", exc)
                 self._wake = trio.Event()
                 await self._wake.wait()
 
-    def _start_fetches(self, nursery: trio.Nursery) -> None:
+    def _target(self) -> int:
+        """How many fetches may be in flight now (the adaptive concurrency's target)."""
         target = self.concurrency.update(trio.current_time())
         if target != self._target_logged:
             log.debug("hints: %d GETs in flight at most, was %d", target,
                       self._target_logged)
             self._target_logged = target
-        free = target - len(self._tasks)
+        return target
+
+    def _start_fetches(self, nursery: trio.Nursery) -> None:
+        free = self._target() - len(self._tasks)
         if free > 0:
             for key in self.scheduler.next_fetches(free, self._cached):
-                start_guarded(nursery, "a prefetch", self._fetch, key)
+                start_guarded(nursery, "a prefetch", self._fetches, key)
 
     def _poke(self) -> None:
         self._wake.set()
+
+    def current_stats(self) -> PrefetchStats:
+        """The counters now. Trio thread only."""
+        self.last_stats = self.scheduler.stats()
+        return self.last_stats
+
+    def stats_from_thread(self, wait_s: float = STATS_WAIT_S) -> PrefetchStats:
+        """The counters now, for another thread (the metrics server's): the trio thread
+        copies them; if it has not within `wait_s`, or runs no more, the last copy."""
+        token = self._token
+        if token is None:
+            return self.last_stats
+        try:
+            if trio.lowlevel.current_trio_token() is token:  # asked on the trio thread
+                return self.current_stats()
+        except RuntimeError:  # another thread: the usual case
+            pass
+        copied = threading.Event()
+
+        def copy() -> None:
+            self.current_stats()
+            copied.set()
+
+        try:
+            token.run_sync_soon(copy)
+        except trio.RunFinishedError:
+            return self.last_stats
+        copied.wait(wait_s)
+        return self.last_stats
 
     # --- the hints socket (sync, trio thread) --------------------------------------------
 
@@ -402,7 +444,10 @@ class HintedPrefetch:
                 if key in plan:  # laid out with the first job that reads it
                     self.packing.opened(key, job)
                     break
-        self._poke()
+        # The read moved its plan's window on. Only a free slot can take a new fetch
+        # now; a busy slot's task takes the next one itself when its fetch ends.
+        if len(self._tasks) < self.concurrency.target:
+            self._poke()
 
     # --- fetching -----------------------------------------------------------------------
 
@@ -413,7 +458,10 @@ class HintedPrefetch:
         obj = self.objects.get(key)  # type: ignore[call-overload]
         if obj is None:
             return False
-        return all(self.cache.holds(BlockId(obj.key, obj.version, i, size=obj.size))
+        holds = self.cache.holds
+        if obj.size <= self.block_size:  # most files of an image dataset: one block
+            return holds(BlockId(obj.key, obj.version, 0, size=obj.size))
+        return all(holds(BlockId(obj.key, obj.version, i, size=obj.size))
                    for i in self._blocks(obj))
 
     def _ram_evicted(self, block: BlockId) -> None:
@@ -426,6 +474,21 @@ class HintedPrefetch:
             scope = self._tasks.get(key)  # type: ignore[call-overload]
             if scope is not None:
                 scope.cancel()
+
+    async def _fetches(self, key: str) -> None:
+        """Fetch `key`, then, while this task's slot is still wanted, whatever the
+        scheduler starts next: a finished fetch spawns no task and wakes no loop."""
+        while True:
+            await self._fetch(key)
+            target = self._target()
+            if len(self._tasks) >= target:
+                return
+            if len(self._tasks) + 1 < target:
+                self._poke()  # more slots free than this one (the target rose)
+            following = self.scheduler.next_fetches(1, self._cached)
+            if not following:
+                return
+            key = following[0]
 
     async def _fetch(self, key: str) -> None:
         outcome = self.scheduler.cancelled
@@ -454,7 +517,6 @@ class HintedPrefetch:
             self.concurrency.record(started, trio.current_time(), carried,
                                     ok=outcome == self.scheduler.fetched)
         outcome(key)
-        self._poke()
 
     async def _expire_idle_plans(self) -> None:
         seen: dict[Hashable, tuple[int, float]] = {}  # plan -> (position, since)

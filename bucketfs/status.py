@@ -207,7 +207,7 @@ class MountStatus:
         prefetch = self.prefetch
         if prefetch is None:
             return out
-        stats = prefetch.last_stats  # what /metrics reads, refreshed as events are handled
+        stats = prefetch.current_stats()  # trio thread: as a scrape of /metrics copies them
         return out | {
             "window_limit": prefetch.scheduler.window_bytes,
             "budget_bytes": prefetch.scheduler.budget_bytes,
@@ -256,7 +256,7 @@ class MountStatus:
         return {
             "retries": self.store.counts.retries,
             "failed_orders": 0 if prefetch is None else prefetch.failed_orders,
-            "failed_prefetches": 0 if prefetch is None else prefetch.last_stats.failed_fetches,
+            "failed_prefetches": 0 if prefetch is None else prefetch.current_stats().failed_fetches,
             "background_failures": tasks.failures,
             "failed_requests": sum(fs.request_failures.values()),
             "warm_errors": self.warm.errors,

@@ -379,8 +379,9 @@ class PrefetchScheduler:
     def _advance(self, plan: Plan, floor: int) -> None:
         """Move the position past items read ahead and past unread items before `floor`
         (given up as skipped)."""
-        while plan.position < len(plan) and (plan.position in plan.read_ahead
-                                             or plan.position < floor):
+        end = len(plan.keys)
+        while plan.position < end and (plan.position in plan.read_ahead
+                                       or plan.position < floor):
             position = plan.position
             if position in plan.read_ahead:
                 plan.read_ahead.discard(position)
@@ -397,7 +398,8 @@ class PrefetchScheduler:
         # DELI: top up only once half the window has been consumed.
         if plan.unread_bytes > self.window_bytes // 2:
             return
-        while plan.frontier < len(plan):
+        end = len(plan.keys)
+        while plan.frontier < end:
             position = plan.frontier
             size = plan.sizes[position]
             if position not in plan.read_ahead:
@@ -472,18 +474,24 @@ class PrefetchScheduler:
         # equal distances the plan served fewer times in this call goes first.
         served = dict.fromkeys(self.plans, 0)
         order = {job: i for i, job in enumerate(self.plans)}
-        heads: list[tuple[int, int, int, Hashable]] = []
+        # A head carries how many keys had started when it was found: only a start since
+        # (another plan's, of the same key) can have made it stale.
+        heads: list[tuple[int, int, int, Hashable, int]] = []
         for job, plan in self.plans.items():
             position = self._head(plan, is_cached)
             if position is not None:
-                heads.append((position - plan.position, 0, order[job], job))
+                heads.append((position - plan.position, 0, order[job], job, len(started)))
         heapq.heapify(heads)
         while heads and limit > 0:
-            _, _, rank, job = heapq.heappop(heads)
+            distance, _, rank, job, found_at = heapq.heappop(heads)
             plan = self.plans[job]
-            position = self._head(plan, is_cached)  # another plan's start took its key?
-            if position is None:
-                continue
+            if found_at == len(started):
+                position = plan.position + distance
+            else:  # another plan's start may have taken its key
+                found = self._head(plan, is_cached)
+                if found is None:
+                    continue
+                position = found
             size = plan.sizes[position]
             held = self.inflight_bytes + self.held_bytes
             if held and held + size > self.budget_bytes:
@@ -494,6 +502,9 @@ class PrefetchScheduler:
             started.append(key)
             limit -= 1
             served[job] += 1
-            position = self._head(plan, is_cached)
-            if position is not None:
-                heapq.heappush(heads, (position - plan.position, served[job], rank, job))
+            if not limit:
+                return
+            found = self._head(plan, is_cached)
+            if found is not None:
+                heapq.heappush(heads, (found - plan.position, served[job], rank, job,
+                                       len(started)))

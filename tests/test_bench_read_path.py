@@ -19,4 +19,6 @@ def test_the_read_path_bench_reports_calls_and_cpu_for_each_pass(tmp_path, capsy
     # inode up in the index.
     calls = {name: row["python_calls_per_read"] for name, row in passes.items()}
     assert calls["warm"] < calls["warm, inode not seen before"] < calls["cold"]
+    # The hinted pass resolves its order and prefetches: more work than a cold read.
+    assert calls["cold, the order sent first"] > calls["cold"]
     assert "| warm |" in capsys.readouterr().out

@@ -4,6 +4,7 @@ leave the reader's own read to report."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import trio
@@ -209,3 +210,69 @@ def test_the_plan_of_a_job_that_stopped_reading_is_dropped():
         assert [job for job, _ in prefetch.scheduler.plans] == ["alive"]
 
     trio.run(with_daemon, backend, body, clock=MockClock(autojump_threshold=0.01))
+
+
+def test_a_finished_prefetch_takes_the_next_one_in_its_own_task():
+    # With one fetch slot, the whole order is fetched by the task started first: a
+    # finished fetch neither spawns a task nor needs the fetch loop to wake.
+    import bucketfs.prefetcher as prefetcher
+
+    objects = dataset(8)
+    backend = MemoryBackend(objects)
+    paths = sorted(key.removeprefix("train/") for key in objects)
+    spawned: list[str] = []
+    start_guarded = prefetcher.start_guarded
+
+    def counting(nursery, what, *args):
+        spawned.append(what)
+        return start_guarded(nursery, what, *args)
+
+    async def body(prefetch, read):
+        prefetch.on_order(order("a", paths))
+        await settle(prefetch)
+        assert prefetch.scheduler.stats().prefetches_started == len(paths)
+        for path in paths:
+            assert await read(path) == objects["train/" + path]
+
+    prefetcher.start_guarded = counting
+    try:
+        trio.run(functools.partial(with_daemon, backend, body, connections=1))
+    finally:
+        prefetcher.start_guarded = start_guarded
+    assert spawned.count("a prefetch") == 1
+    assert backend.calls["get"] == len(objects)
+
+
+def test_a_scrape_gets_the_counters_as_they_are_and_never_hangs_on_a_busy_loop():
+    # /metrics is served from another thread; the trio thread copies the scheduler's
+    # counters for each scrape, so they are never older than the scrape. A loop that
+    # does not answer in time gets the last copy.
+    import threading
+    import time
+
+    objects = dataset(10)
+    backend = MemoryBackend(objects)
+    paths = sorted(key.removeprefix("train/") for key in objects)
+
+    async def body(prefetch, read):
+        prefetch.on_order(order("a", paths))
+        await settle(prefetch)
+        for path in paths:
+            await read(path)
+        scraped = await trio.to_thread.run_sync(prefetch.stats_from_thread)
+        assert scraped == prefetch.scheduler.stats()
+        assert scraped.prefetches_started == scraped.prefetch_hits == len(paths)
+        assert prefetch.stats_from_thread() == scraped  # asked on the trio thread itself
+        before = prefetch.last_stats
+        prefetch.scheduler.prefetch_hits += 1  # counted, not copied yet
+        answers: list = []
+        scrape = threading.Thread(
+            target=lambda: answers.append(prefetch.stats_from_thread(wait_s=0.05)))
+        scrape.start()
+        time.sleep(0.5)  # the trio thread is busy: the scrape does not wait for it
+        assert answers == [before]
+        scrape.join()
+        await trio.sleep(0)  # the copy the scrape asked for runs now
+        assert prefetch.last_stats.prefetch_hits == len(paths) + 1
+
+    trio.run(with_daemon, backend, body)
