@@ -209,6 +209,13 @@ class RankedPolicy(EvictionPolicy):
         # so a restored policy computes exactly the same mean.
         self._gap_sum = 0
         self._gap_count = 0
+        # Entries referenced since their last heap record: ranked and pushed when a
+        # victim is next wanted (`_push_pending`), not at every hit. A tier that never
+        # evicts (a warm epoch from RAM) then never ranks its hits, and one that does
+        # ranks an entry once per victim at most. (Admissions push at once: a tier that
+        # admits is about to evict.) Every rank ends in the entry's last reference,
+        # unique, so the order of pushes never decides a victim.
+        self._unpushed: dict[Hashable, None] = {}
 
     # -- subclass hooks ---------------------------------------------------------------
     def _first(self, entry: EntryState) -> None:
@@ -253,6 +260,7 @@ class RankedPolicy(EvictionPolicy):
         else:
             self._reference(entry)
             entry.size, entry.cost, entry.admitted = size, cost, self._clock
+            self._unpushed.pop(key, None)  # pushed now
         self._start_cooldown(key, entry)
         self._push(key, entry)
         self._maybe_rebuild()
@@ -263,17 +271,20 @@ class RankedPolicy(EvictionPolicy):
             return
         self._clock += 1
         self._reference(entry)
-        self._push(key, entry)
-        self._maybe_rebuild()
+        self._unpushed[key] = None
 
     def remove(self, key: Hashable) -> None:
         # Its heap records are now outdated: dropped when they surface or at a rebuild.
         entry = self._entries.pop(key, None)
         if entry is not None:
+            if key in self._unpushed:
+                del self._unpushed[key]
             self._count_gap(entry, -1)
             self._maybe_rebuild()
 
     def victim(self) -> Hashable | None:
+        if self._unpushed:
+            self._push_pending()
         self._end_cooldowns()
         if self.stale_after > 0 and self._gap_count:
             key = self._top(self._recency)
@@ -294,7 +305,7 @@ class RankedPolicy(EvictionPolicy):
         self._clock = max(self._clock, entry.admitted, entry.last)
         self._misses = max(self._misses, entry.last_miss)
         self._start_cooldown(key, entry)
-        self._push(key, entry)
+        self._push(key, entry)  # `remove` above took it out of the pending ones
         self._maybe_rebuild()
 
     # -- the math alone, for a tier that keeps the order itself (the SSD tier keeps it
@@ -358,6 +369,19 @@ class RankedPolicy(EvictionPolicy):
             self._seq += 1
             heapq.heappush(self._ends, (entry.admitted, self._seq, key))
 
+    def _push_pending(self) -> None:
+        pending = self._unpushed
+        if 2 * len(pending) > len(self._entries):
+            # Most entries were referenced (a warm epoch, then a miss): one rebuild ranks
+            # each once and leaves no outdated record, where pushes would leave one each.
+            self._rebuild()
+            return
+        entries = self._entries
+        for key in pending:
+            self._push(key, entries[key])  # `remove` takes a key out of both
+        pending.clear()
+        self._maybe_rebuild()
+
     def _push(self, key: Hashable, entry: EntryState) -> None:
         self._seq += 1
         entry.seq = self._seq
@@ -417,6 +441,7 @@ class RankedPolicy(EvictionPolicy):
         for heap in (ready, cooling, ends, recency):
             heapq.heapify(heap)
         self._ready, self._cooling, self._ends, self._recency = ready, cooling, ends, recency
+        self._unpushed.clear()  # every entry has its record now
 
 
 class LRU(RankedPolicy):

@@ -500,3 +500,40 @@ def test_belady_and_replay_on_a_hand_trace() -> None:
     for result in (simulate(make_policy(), big, 2, Result("c", 1, 2)),
                    simulate_min(big, 2, Result("MIN", 1, 2))):
         assert (result.hits, result.bytes_fetched) == (0, 6)
+
+
+def test_hits_are_ranked_once_per_victim_not_once_per_hit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm epoch from a tier that never evicts ranks none of its hits; when a victim
+    is wanted, each entry referenced since the last one is ranked once, however often."""
+    ranked: list[Hashable] = []
+    original = CostAwareLRFU._rank
+
+    def counting(self: CostAwareLRFU, entry: object) -> tuple[float, ...]:
+        ranked.append(entry)
+        return original(self, entry)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CostAwareLRFU, "_rank", counting)
+    policy = CostAwareLRFU(cooldown=0)
+    for key in range(100):
+        policy.admit(key, 100, 0.001)
+    policy.victim()
+    ranked.clear()
+    records = policy._records()
+    rng = random.Random(8)
+    touched = {rng.randrange(10) for _ in range(1000)}
+    for key in touched:
+        policy.touch(key)
+    for _ in range(1000):
+        policy.touch(rng.randrange(10))
+    assert not ranked and policy._records() == records  # hits cost no rank, no record
+    assert policy.victim() not in touched  # the hot ten rank above the rest
+    assert len(ranked) == len(touched) == 10
+    # Most entries referenced since (a warm epoch, then a miss): one rebuild ranks each
+    # entry once and leaves no outdated record behind.
+    ranked.clear()
+    for key in range(100):
+        policy.touch(key)
+    assert policy.victim() is not None
+    assert len(ranked) == len(policy) == 100
+    assert policy._records() == 2 * len(policy)  # a rank and a recency record each
