@@ -203,8 +203,13 @@ class HintedPrefetch:
         copied = threading.Event()
 
         def copy() -> None:
-            self.current_stats()
-            copied.set()
+            # Run by trio itself: an exception here would end the mount, not the scrape.
+            try:
+                self.current_stats()
+            except Exception as exc:
+                failed("copying prefetch counters", exc)
+            finally:
+                copied.set()
 
         try:
             token.run_sync_soon(copy)

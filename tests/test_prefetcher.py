@@ -276,3 +276,25 @@ def test_a_scrape_gets_the_counters_as_they_are_and_never_hangs_on_a_busy_loop()
         assert prefetch.last_stats.prefetch_hits == len(paths) + 1
 
     trio.run(with_daemon, backend, body)
+
+
+def test_a_scrape_whose_copy_fails_gets_the_last_copy_and_the_mount_goes_on():
+    from bucketfs import tasks
+
+    objects = dataset(4)
+    backend = MemoryBackend(objects)
+    paths = sorted(key.removeprefix("train/") for key in objects)
+
+    async def body(prefetch, read):
+        before, failures = prefetch.last_stats, tasks.failures
+
+        def broken():
+            raise RuntimeError("a bug in the counters")
+
+        prefetch.scheduler.stats = broken
+        assert await trio.to_thread.run_sync(prefetch.stats_from_thread) is before
+        assert tasks.failures == failures + 1
+        for path in paths:  # the loop, and reads, go on
+            assert await read(path) == objects["train/" + path]
+
+    trio.run(with_daemon, backend, body)
