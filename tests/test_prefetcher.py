@@ -248,7 +248,6 @@ def test_a_scrape_gets_the_counters_as_they_are_and_never_hangs_on_a_busy_loop()
     # counters for each scrape, so they are never older than the scrape. A loop that
     # does not answer in time gets the last copy.
     import threading
-    import time
 
     objects = dataset(10)
     backend = MemoryBackend(objects)
@@ -269,11 +268,12 @@ def test_a_scrape_gets_the_counters_as_they_are_and_never_hangs_on_a_busy_loop()
         scrape = threading.Thread(
             target=lambda: answers.append(prefetch.stats_from_thread(wait_s=0.05)))
         scrape.start()
-        time.sleep(0.5)  # the trio thread is busy: the scrape does not wait for it
-        assert answers == [before]
-        scrape.join()
-        await trio.sleep(0)  # the copy the scrape asked for runs now
-        assert prefetch.last_stats.prefetch_hits == len(paths) + 1
+        # The trio thread stays busy (blocked here) until the scrape has answered.
+        scrape.join(timeout=10)
+        assert not scrape.is_alive() and answers == [before]
+        with trio.fail_after(5):  # the copy the scrape asked for runs once the loop is free
+            while prefetch.last_stats.prefetch_hits != len(paths) + 1:
+                await trio.sleep(0.01)
 
     trio.run(with_daemon, backend, body)
 
@@ -293,7 +293,9 @@ def test_a_scrape_whose_copy_fails_gets_the_last_copy_and_the_mount_goes_on():
 
         prefetch.scheduler.stats = broken
         assert await trio.to_thread.run_sync(prefetch.stats_from_thread) is before
-        assert tasks.failures == failures + 1
+        with trio.fail_after(5):  # logged and counted, on the trio thread
+            while tasks.failures != failures + 1:
+                await trio.sleep(0.01)
         for path in paths:  # the loop, and reads, go on
             assert await read(path) == objects["train/" + path]
 
