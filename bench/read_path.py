@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 import random
 import statistics
@@ -79,7 +80,7 @@ async def measure(files: int, rounds: int) -> dict[str, dict[str, float]]:
                  for directory in await namespace.children(1)
                  for entry in await namespace.children(directory.inode)}
         inodes = list(paths)
-        epochs = iter(range(1 << 30))
+        epochs = itertools.count()
 
         async def one_pass(order: list[int], fresh: bool, hinted: bool) -> float:
             if fresh:
@@ -118,14 +119,15 @@ async def measure(files: int, rounds: int) -> dict[str, dict[str, float]]:
                     random.Random(round_).shuffle(order)
                     if name.startswith("cold"):
                         empty_ram()
-                    args = (order, name != "warm", name.startswith("cold, the order"))
+                    hinted = name.startswith("cold, the order")
+                    args = (order, name != "warm", hinted)
                     if profiled:
                         profile.enable()
                         await one_pass(*args)
                         profile.disable()
                     else:
                         cpu.append(await one_pass(*args))
-                    if args[2]:  # the job is done: the warm passes read with no plan
+                    if hinted:  # the job is done: the warm passes read with no plan
                         prefetch.on_end("bench")
             calls = pstats.Stats(profile).total_calls / (rounds * len(order))  # type: ignore[attr-defined]
             results[name] = {"python_calls_per_read": calls, "cpu_us_min": min(cpu),

@@ -277,8 +277,7 @@ class RankedPolicy(EvictionPolicy):
         # Its heap records are now outdated: dropped when they surface or at a rebuild.
         entry = self._entries.pop(key, None)
         if entry is not None:
-            if key in self._unpushed:
-                del self._unpushed[key]
+            self._unpushed.pop(key, None)
             self._count_gap(entry, -1)
             self._maybe_rebuild()
 
