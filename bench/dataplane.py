@@ -201,16 +201,20 @@ def read_with_os_open(path: Path) -> int:
 
 class Mount:
     def __init__(self, server: S3Server, mountpoint: Path, args: list[str],
-                 prefix: str = "train") -> None:
+                 prefix: str = "train", tree: Path | None = None) -> None:
+        """`tree`: the checkout whose bucketfs the daemon runs (default: this one)."""
         self.server, self.mountpoint, self.args = server, mountpoint, args
         self.prefix = prefix
+        self.tree = tree
 
     def __enter__(self) -> Mount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         result = bucketfs("mount", f"s3://{BUCKET}/{self.prefix}", str(self.mountpoint),
                           "--addressing-style", "path", *self.args,
                           "--log-file", f"{self.mountpoint}.log",
-                          env={**self.server.env(), **this_tree()})
+                          env={**self.server.env(), **(
+                              this_tree() if self.tree is None
+                              else {"PYTHONPATH": str(self.tree)})})
         if result.returncode != 0:
             raise RuntimeError(result.stderr)
         self.pid = daemon_pid(str(self.mountpoint.resolve()))

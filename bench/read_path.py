@@ -14,7 +14,9 @@ where hints are on by default). Four passes:
     while they go on; the pass ends when the last prefetch has);
   - warm: every file again from the RAM tier, its read state kept;
   - warm, inode not seen before: the read states dropped first, so each read looks its
-    inode up in the index (the first read of a file after a listing).
+    inode up in the index (the first read of a file after a listing);
+  - warm, name looked up first: the read states dropped, and each read preceded by a
+    LOOKUP of its name, as the kernel asks when it opens a path it has no entry for.
 For each: Python function calls per read (cProfile's count over ROUNDS passes, which
 moves by a call or so between runs where CPU time moves by tens of percent, so two trees
 compare on a noisy machine), and CPU per read (`time.process_time`, min and
@@ -54,7 +56,8 @@ from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
 from tests.membackend import MemoryBackend
 
-PASSES = ("cold", "cold, the order sent first", "warm", "warm, inode not seen before")
+PASSES = ("cold", "cold, the order sent first", "warm", "warm, inode not seen before",
+          "warm, name looked up first")
 
 
 async def measure(files: int, rounds: int) -> dict[str, dict[str, float]]:
@@ -76,13 +79,16 @@ async def measure(files: int, rounds: int) -> dict[str, dict[str, float]]:
         await nursery.start(prefetch.run)
         operations = Operations(namespace, reader, uid=0, gid=0, kernel_ttl=60,
                                 kernel_opens=PATCHED_PYFUSE3)
-        paths = {entry.inode: f"{directory.name}/{entry.name}"
+        names = {entry.inode: (directory, entry.name)
                  for directory in await namespace.children(1)
                  for entry in await namespace.children(directory.inode)}
+        paths = {inode: f"{directory.name}/{name}"
+                 for inode, (directory, name) in names.items()}
         inodes = list(paths)
         epochs = itertools.count()
 
-        async def one_pass(order: list[int], fresh: bool, hinted: bool) -> float:
+        async def one_pass(order: list[int], fresh: bool, hinted: bool,
+                           looked_up: bool) -> float:
             if fresh:
                 operations.read_states.clear()
             began = time.process_time()
@@ -91,6 +97,9 @@ async def measure(files: int, rounds: int) -> dict[str, dict[str, float]]:
                                         epoch=next(epochs),
                                         paths=[paths[inode] for inode in order]))
             for inode in order:
+                if looked_up:
+                    directory, name = names[inode]
+                    await operations.lookup(directory.inode, name.encode(), None)  # type: ignore[arg-type]
                 if not operations.kernel_opens:  # stock pyfuse3: an open per file
                     fh = (await operations.open(inode, 0, None)).fh
                     await operations.read(fh, 0, 131072)
@@ -120,7 +129,7 @@ async def measure(files: int, rounds: int) -> dict[str, dict[str, float]]:
                     if name.startswith("cold"):
                         empty_ram()
                     hinted = name.startswith("cold, the order")
-                    args = (order, name != "warm", hinted)
+                    args = (order, name != "warm", hinted, name.endswith("looked up first"))
                     if profiled:
                         profile.enable()
                         await one_pass(*args)

@@ -34,6 +34,11 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 #: block (`OpenFile.last`) outside every budget, as an open handle does.
 _READ_STATES = 4096
 _READ_STATES_WITH_BLOCKS = 64
+#: Files the kernel looked up last, kept by inode until their first read: the READ that
+#: follows a LOOKUP (the kernel opening the file itself) takes its entry from here, not
+#: from the index (two RocksDB reads and a decode on the trio thread, per file). An
+#: inode stands for one version, so a kept entry never goes stale.
+_LOOKED_UP = 1024
 #: pyfuse3 built with bucketfs's patch (packaging/pyfuse3/build.py): `read` is told the
 #: inode when no OPEN preceded it, and `max_background` reaches the kernel.
 PATCHED_PYFUSE3 = getattr(pyfuse3, "BUCKETFS_PATCH", 0) >= 1
@@ -127,6 +132,8 @@ class Operations(pyfuse3.Operations):
         self.gid = gid
         self.kernel_ttl = kernel_ttl
         self.handles: dict[int, tuple[DirEntry, OpenFile]] = {}
+        #: Oldest first; at most `_LOOKED_UP` (see there).
+        self.looked_up: dict[int, DirEntry] = {}
         self.dir_handles: dict[int, _DirCursor] = {}
         self._next_fh = 1
 
@@ -162,6 +169,11 @@ class Operations(pyfuse3.Operations):
             attrs.st_ino = 0
             attrs.entry_timeout = self.kernel_ttl
             return attrs
+        if not node.is_dir:
+            looked_up = self.looked_up
+            looked_up[node.inode] = node
+            if len(looked_up) > _LOOKED_UP:
+                del looked_up[next(iter(looked_up))]
         return self._attributes(node)
 
     @fuse_errors
@@ -209,7 +221,8 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOSYS)
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
-        node = self.namespace.get(inode)
+        # As its lookup found it, else from the index (KeyError: never handed out).
+        node = self.looked_up.pop(inode, None) or self.namespace.get(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         fh = self._next_fh
@@ -241,7 +254,9 @@ class Operations(pyfuse3.Operations):
         if state is not None and offset != 0:
             self.read_states.move_to_end(inode)
             return state
-        node = state[0] if state is not None else self.namespace.get(inode)
+        # As its lookup found it, else from the index (KeyError: never handed out).
+        node = state[0] if state is not None else (
+            self.looked_up.pop(inode, None) or self.namespace.get(inode))
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         state = self.read_states[inode] = (
@@ -277,6 +292,7 @@ class Operations(pyfuse3.Operations):
         for inode, _ in inode_list:
             self.namespace.forget(inode)
             self.read_states.pop(inode, None)
+            self.looked_up.pop(inode, None)
 
     setattr = _read_only("setattr")
     mknod = _read_only("mknod")

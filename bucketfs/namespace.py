@@ -110,6 +110,9 @@ class Namespace:
         #: Directories as `get` last read them (first in, first out): a directory's
         #: entry changes only by leaving the tree, which `_gone` tells.
         self._directories: dict[int, DirEntry] = {}
+        #: When each directory was last listed, as the tree says (first in, first out):
+        #: every lookup asks, and only `_list` and `forget_listings` change it.
+        self._listed_at: dict[int, float] = {}
         self.root = DirEntry(inode=ROOT_INODE, parent=ROOT_INODE, name="", is_dir=True,
                          key=root_prefix, mtime_ns=self.mount_time_ns)
 
@@ -211,6 +214,7 @@ class Namespace:
 
     def forget_listings(self) -> None:
         self.tree.forget_listings()
+        self._listed_at.clear()
 
     def any_file_key(self) -> str | None:
         return self.tree.any_file_key()
@@ -218,8 +222,18 @@ class Namespace:
     # --- listing ------------------------------------------------------------------------
 
     def _fresh(self, directory: DirEntry) -> bool:
-        listed_at = self.tree.listed_at(directory.inode)
-        return listed_at is not None and self.clock() - listed_at < self.metadata_ttl
+        listed_at = self._listed_at.get(directory.inode)
+        if listed_at is None:
+            listed_at = self.tree.listed_at(directory.inode)
+            if listed_at is None:
+                return False
+            self._note_listed(directory.inode, listed_at)
+        return self.clock() - listed_at < self.metadata_ttl
+
+    def _note_listed(self, inode: int, listed_at: float) -> None:
+        self._listed_at[inode] = listed_at
+        if len(self._listed_at) > DIRECTORIES:
+            del self._listed_at[next(iter(self._listed_at))]
 
     async def _listed(self, directory: DirEntry) -> None:
         # Single-flight: concurrent lookups in an unlisted directory share one listing. A
@@ -255,6 +269,7 @@ class Namespace:
                                              f"{key + '/'!r} of the same name")
                     self._gone(changes.gone)
                 self._gone(await in_worker(self.tree.finish, listing, listed_at))
+                self._note_listed(directory.inode, listed_at)
                 return
             except IndexUnwritable:
                 if in_memory:

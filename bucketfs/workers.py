@@ -79,7 +79,13 @@ async def in_worker(fn: Callable[..., T], *args: object,
     if limiter is None:
         limiter = trio.to_thread.current_default_thread_limiter()
     slot = object()  # a borrower per call, so one task may wait on several calls
-    await limiter.acquire_on_behalf_of(slot)
+    # A free slot is taken without the scheduling round trip `acquire_on_behalf_of`
+    # makes even then (a cancelled task still stops here, before its call starts).
+    await trio.lowlevel.checkpoint_if_cancelled()
+    try:
+        limiter.acquire_on_behalf_of_nowait(slot)
+    except trio.WouldBlock:
+        await limiter.acquire_on_behalf_of(slot)
     try:
         task = trio.lowlevel.current_task()
         token = trio.lowlevel.current_trio_token()

@@ -19,6 +19,9 @@ def test_the_read_path_bench_reports_calls_and_cpu_for_each_pass(tmp_path, capsy
     # inode up in the index.
     calls = {name: row["python_calls_per_read"] for name, row in passes.items()}
     assert calls["warm"] < calls["warm, inode not seen before"] < calls["cold"]
+    # A lookup first adds its own work, but the read then takes the entry it found.
+    assert calls["warm, inode not seen before"] < calls["warm, name looked up first"] \
+        < calls["cold"]
     # The hinted pass resolves its order and prefetches: more work than a cold read.
     assert calls["cold, the order sent first"] > calls["cold"]
     assert "| warm |" in capsys.readouterr().out

@@ -180,3 +180,26 @@ def test_a_zero_ttl_lists_on_every_lookup_and_never_loops():
     trio.run(main)
     assert 3 < backend.calls["list"] <= 3 + 4
     ns.close()
+
+
+def test_a_lookup_takes_its_directory_s_listing_time_from_memory_once_read():
+    now = [0.0]
+    backend, ns = make({"p/a": b"1", "p/b": b"2"}, prefix="p/", ttl=10, clock=lambda: now[0])
+    reads = []
+    listed_at = ns.tree.listed_at
+    ns.tree.listed_at = lambda inode: reads.append(inode) or listed_at(inode)
+
+    async def main():
+        for name in ("a", "b", "a", "b"):
+            assert await ns.lookup(1, name) is not None
+        assert backend.calls["list"] == 1 and len(reads) == 1  # the first, before listing
+        now[0] = 11  # past the TTL: listed again, and that time kept
+        assert await ns.lookup(1, "a") is not None
+        assert await ns.lookup(1, "b") is not None
+        assert backend.calls["list"] == 2 and len(reads) == 1
+        ns.forget_listings()  # mount --refresh: listed again at the next lookup
+        assert await ns.lookup(1, "a") is not None
+        assert backend.calls["list"] == 3
+
+    trio.run(main)
+    ns.close()

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import trio
+
 from bucketfs.cache.blocks import ObjectRef
 from bucketfs.cache.schema import DirEntry
-from bucketfs.fs import _READ_STATES, _READ_STATES_WITH_BLOCKS, Operations
+from bucketfs.fs import _LOOKED_UP, _READ_STATES, _READ_STATES_WITH_BLOCKS, Operations
 from bucketfs.reader import OpenFile, ReadSettings
 
 BLOCK = 4 * 1024**2
@@ -71,3 +73,52 @@ def test_a_ram_tier_that_holds_blocks_keeps_4096_states():
     for inode in range(2, 5000):
         ops._read_state(inode, 0)
     assert len(ops.read_states) == 4096
+
+
+class CountingNamespace(Namespace):
+    """Counts index reads (`get`); `lookup` finds every name, as the index would."""
+
+    def __init__(self) -> None:
+        self.gets = 0
+        self.forgotten: list[int] = []
+
+    def get(self, inode: int) -> DirEntry:
+        self.gets += 1
+        return super().get(inode)
+
+    async def lookup(self, parent: int, name: str) -> DirEntry:
+        return super().get(int(name.removeprefix("f")))
+
+    def forget(self, inode: int) -> None:
+        self.forgotten.append(inode)
+
+
+def counting_operations() -> tuple[Operations, CountingNamespace]:
+    namespace = CountingNamespace()
+    ops = Operations(namespace, Reader(64 * BLOCK), uid=0, gid=0,  # type: ignore[arg-type]
+                     kernel_ttl=1.0)
+    return ops, namespace
+
+
+def test_the_read_after_a_lookup_takes_the_entry_the_lookup_found():
+    ops, namespace = counting_operations()
+    attrs = trio.run(ops.lookup, 1, b"f7", None)
+    assert attrs.st_ino == 7
+    node, _ = ops._read_state(7, 0)
+    assert (node.key, namespace.gets) == ("k/7", 0)  # not read from the index
+    assert ops.looked_up == {}  # taken by the first read: the read state holds it now
+    ops.read_states.clear()
+    node, _ = ops._read_state(7, 0)  # its read state dropped: the index again
+    assert (node.key, namespace.gets) == ("k/7", 1)
+
+
+def test_looked_up_entries_are_bounded_and_forgotten_with_their_inode():
+    ops, namespace = counting_operations()
+    for inode in range(2, 2 + _LOOKED_UP + 10):
+        trio.run(ops.lookup, 1, f"f{inode}".encode(), None)
+    assert len(ops.looked_up) == _LOOKED_UP
+    assert 2 not in ops.looked_up and 12 in ops.looked_up  # the oldest went first
+    trio.run(ops.forget, [(12, 1)])
+    assert 12 not in ops.looked_up and namespace.forgotten == [12]
+    ops._read_state(12, 0)
+    assert namespace.gets == 1

@@ -370,6 +370,7 @@ def recency_key_name(key: bytes) -> bytes:
 
 _U64 = struct.Struct(">Q")
 _DIR_ENTRY = struct.Struct("<QBQqQ")  # inode, is_dir, size, mtime_ns, listing stamp
+_TEXT_LENGTH = struct.Struct("<I")  # before each text of an entry (`_text`)
 
 
 @dataclass(slots=True)
@@ -398,7 +399,7 @@ class DirEntry:
 
 def _text(value: str) -> bytes:
     raw = value.encode("utf-8", "surrogateescape")
-    return struct.pack("<I", len(raw)) + raw
+    return _TEXT_LENGTH.pack(len(raw)) + raw
 
 
 def encode_dir_entry(entry: DirEntry) -> bytes:
@@ -408,14 +409,14 @@ def encode_dir_entry(entry: DirEntry) -> bytes:
 
 
 def decode_dir_entry(raw: bytes, parent: int, name: str) -> DirEntry:
+    # Unrolled (key, then version): every lookup and every listed entry decodes one.
     inode, is_dir, size, mtime_ns, stamp = _DIR_ENTRY.unpack_from(raw)
-    at, texts = _DIR_ENTRY.size, []
-    for _ in range(2):
-        (length,) = struct.unpack_from("<I", raw, at)
-        texts.append(raw[at + 4:at + 4 + length].decode("utf-8", "surrogateescape"))
-        at += 4 + length
-    return DirEntry(name, bool(is_dir), texts[0], size, mtime_ns, texts[1], inode, parent,
-                    stamp)
+    (length,) = _TEXT_LENGTH.unpack_from(raw, _DIR_ENTRY.size)
+    key_end = _DIR_ENTRY.size + 4 + length
+    key = raw[_DIR_ENTRY.size + 4:key_end].decode("utf-8", "surrogateescape")
+    (length,) = _TEXT_LENGTH.unpack_from(raw, key_end)
+    version = raw[key_end + 4:key_end + 4 + length].decode("utf-8", "surrogateescape")
+    return DirEntry(name, bool(is_dir), key, size, mtime_ns, version, inode, parent, stamp)
 
 
 def tree_space(source: str, prefix: str) -> bytes:

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
@@ -81,7 +81,9 @@ class CacheStats:
 
 @dataclass(eq=False, slots=True)
 class _Flight:
-    done: trio.Event = field(default_factory=trio.Event)
+    #: Made by the first reader that joins: most lookups have none, and an event made
+    #: and set for nobody was a share of every miss's work on the trio thread.
+    done: trio.Event | None = None
     data: bytes = b""
     error: Exception | None = None
     cancelled: bool = False
@@ -121,8 +123,9 @@ class BlockCache:
         #: Set when `_unwritten` makes a full batch, or the queue is half full: a
         #: lingering writer goes at once.
         self._batch_full = trio.Event()
-        #: Set (and replaced) whenever a lookup starts: `kept` waits on it, not a clock.
-        self._started = trio.Event()
+        #: Set (and dropped) whenever a lookup starts: `kept` waits on it, not a clock.
+        #: Made by the first waiter, as `_Flight.done` is.
+        self._started: trio.Event | None = None
         self.stats = CacheStats()
 
     @property
@@ -145,6 +148,8 @@ class BlockCache:
             if flight is None:
                 break
             self.stats.single_flight_waits += 1
+            if flight.done is None:
+                flight.done = trio.Event()
             await flight.done.wait()
             if flight.error is not None:
                 raise flight.error
@@ -152,8 +157,9 @@ class BlockCache:
                 return flight.data
             # The task that looked it up was cancelled (not failed): look again ourselves.
         flight = self.inflight[block] = _Flight()
-        self._started.set()
-        self._started = trio.Event()
+        if self._started is not None:
+            self._started.set()
+            self._started = None
         try:
             flight.data = await self._lookup(obj, block)
             return flight.data
@@ -164,7 +170,8 @@ class BlockCache:
             flight.cancelled = True
             raise
         finally:
-            flight.done.set()
+            if flight.done is not None:
+                flight.done.set()
             del self.inflight[block]
 
     def peek(self, block: BlockId) -> Hit | None:
@@ -270,6 +277,8 @@ class BlockCache:
                 return held
             if self.ram.holds(block):
                 return None  # read, and not stored on SSD
+            if self._started is None:
+                self._started = trio.Event()
             with trio.move_on_at(deadline) as waiting:
                 await self._started.wait()
             if waiting.cancelled_caught:

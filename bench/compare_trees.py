@@ -1,0 +1,126 @@
+"""What a change does to the daemon's CPU per file, against another revision, on a mount:
+
+    python -m bench.compare_trees REV [--rounds 10] [--files 2000] [--out DIR]
+
+A shared VM's speed drifts by tens of percent from one minute to the next, more than
+most single changes move the daemon's CPU, so the two trees run in alternation (this
+checkout, then REV, then REV, then this checkout, ...), ROUNDS rounds each, against one
+loopback SeaweedFS. REV is checked out into a temporary git worktree with
+`bucketfs/prefetch` and `bucketfs/hints` linked in as the package maps them, so that no
+part of REV's daemon is imported from this checkout. Each round and tree mounts afresh
+(`--cache-dir`, a 2 GiB RAM tier) and reads FILES objects of ~100 KB with 16 threads:
+  - cold: every name looked up, every file fetched and written through to SSD;
+  - warm, RAM tier: page cache and dentries dropped, so each file is a LOOKUP and a READ
+    served from RAM;
+  - warm, RAM tier, names listed: the tree listed first (the kernel knows every inode
+    from READDIRPLUS), so READs only.
+For each: the daemon's CPU per file (/proc/PID/stat, all threads) and its event loop's
+share (the main thread), medians over the rounds, each round's figure kept. Needs root
+(FUSE, drop_caches). Results: JSON and a Markdown table under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import statistics
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench.dataplane import Mount, drop_page_cache, make_dataset
+from bench.harness.saving import save_results
+from bench.harness.tree import ROOT
+from tests.servers import S3Server
+
+PASSES = ("cold", "warm, RAM tier", "warm, RAM tier, names listed")
+READERS = 16
+
+
+@contextlib.contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """REV checked out in a temporary worktree that imports nothing from this one."""
+    with tempfile.TemporaryDirectory(prefix="bucketfs-rev-") as scratch:
+        path = Path(scratch) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force",
+                        str(path), rev], check=True, capture_output=True)
+        try:
+            for package in ("prefetch", "hints"):  # pyproject maps them under bucketfs
+                (path / "bucketfs" / package).symlink_to(f"../{package}")
+            yield path
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                            str(path)], check=False, capture_output=True)
+
+
+def one_round(server: S3Server, work: Path, tree: Path, relpaths: list[str],
+              ) -> dict[str, dict[str, float]]:
+    cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
+    args = ["--ram-cache", "2GiB", "--metadata-ttl", "forever", "--cache-dir", str(cache)]
+    with Mount(server, work / "mnt", args, tree=tree) as mount:
+        passes = {"cold": mount.read_all(relpaths, READERS)}
+        drop_page_cache()
+        passes["warm, RAM tier"] = mount.read_all(relpaths, READERS)
+        drop_page_cache()
+        mount.list_tree(relpaths)
+        passes["warm, RAM tier, names listed"] = mount.read_all(relpaths, READERS)
+    return {name: {"cpu_ms_per_file": row["cpu_ms_per_file"],
+                   "loop_ms_per_file": row["cpu_ms_per_file_by_thread"]["loop"]}
+            for name, row in passes.items()}
+
+
+def compare(rev: str, rounds: int, files: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {"this tree": [], rev: []}
+    with S3Server() as server, tempfile.TemporaryDirectory() as scratch, \
+            worktree(rev) as other:
+        keys, _ = make_dataset(server, files, 100, 0)
+        relpaths = [key.removeprefix("train/") for key in keys]
+        random.Random(5).shuffle(relpaths)
+        trees = [("this tree", ROOT), (rev, other)]
+        for round_ in range(rounds):
+            for name, tree in trees if round_ % 2 == 0 else trees[::-1]:
+                runs[name].append(one_round(server, Path(scratch), tree, relpaths))
+                print(f"round {round_ + 1}, {name}: " + ", ".join(
+                    f"{p} {r['cpu_ms_per_file']:.3f}" for p, r in runs[name][-1].items()),
+                    flush=True)
+    summary = {name: {p: {measure: {"median": statistics.median(r[p][measure] for r in rows),
+                                    "rounds": [r[p][measure] for r in rows]}
+                          for measure in ("cpu_ms_per_file", "loop_ms_per_file")}
+                      for p in PASSES}
+               for name, rows in runs.items()}
+    return {"rev": rev, "rounds": rounds, "files": files, "trees": summary}
+
+
+def table(results: dict[str, Any]) -> str:
+    rev = results["rev"]
+    trees = results["trees"]
+    lines = [f"| pass | {rev}: ms per file (loop) | this tree: ms per file (loop) |",
+             "| --- | ---: | ---: |"]
+    for p in PASSES:
+        cells = [f"{t[p]['cpu_ms_per_file']['median']:.3f} "
+                 f"({t[p]['loop_ms_per_file']['median']:.3f})"
+                 for t in (trees[rev], trees["this tree"])]
+        lines.append(f"| {p} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) + f"\n\nMedians of {results['rounds']} interleaved rounds.\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.compare_trees",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("rev", help="the revision to compare this checkout with")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--files", type=int, default=2000)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    results = compare(args.rev, args.rounds, args.files)
+    text = table(results)
+    print(text, end="")
+    save_results(args.out, "compare-trees", results, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

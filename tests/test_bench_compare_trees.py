@@ -1,0 +1,39 @@
+"""bench.compare_trees mounts this checkout and another revision in turn and reports
+each pass for both; the other revision's daemon runs that revision's code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench import compare_trees
+from bench.harness.tree import ROOT
+
+
+def test_both_trees_are_measured_for_every_pass_and_the_worktree_goes(tmp_path, capsys):
+    assert compare_trees.main(["HEAD", "--files", "100", "--rounds", "1",
+                               "--out", str(tmp_path)]) == 0
+    saved = json.loads(next(tmp_path.glob("compare-trees-*.json")).read_text())
+    assert set(saved["trees"]) == {"this tree", "HEAD"}
+    for tree in saved["trees"].values():
+        assert list(tree) == list(compare_trees.PASSES)
+        assert tree["cold"]["cpu_ms_per_file"]["median"] > 0  # 100 GETs: ticks counted
+        for row in tree.values():  # /proc counts 10 ms ticks: a warm pass may count none
+            assert len(row["cpu_ms_per_file"]["rounds"]) == 1
+            assert row["loop_ms_per_file"]["median"] >= 0
+    assert "| cold |" in capsys.readouterr().out
+    worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"],
+                               capture_output=True, text=True, check=True).stdout
+    assert "bucketfs-rev-" not in worktrees
+
+
+def test_the_other_tree_imports_none_of_this_checkout():
+    with compare_trees.worktree("HEAD") as tree:
+        found = subprocess.run(
+            [sys.executable, "-P", "-c", "import bucketfs.prefetch.eviction as e, bucketfs.fs as f;"
+             " print(e.__file__); print(f.__file__)"],
+            env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+            capture_output=True, text=True, check=False)
+    assert found.returncode == 0, found.stderr
+    assert all(line.startswith(str(tree)) for line in found.stdout.split())
