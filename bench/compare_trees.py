@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -60,13 +61,16 @@ def one_round(server: S3Server, work: Path, tree: Path, relpaths: list[str],
               ) -> dict[str, dict[str, float]]:
     cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
     args = ["--ram-cache", "2GiB", "--metadata-ttl", "forever", "--cache-dir", str(cache)]
-    with Mount(server, work / "mnt", args, tree=tree) as mount:
-        passes = {"cold": mount.read_all(relpaths, READERS)}
-        drop_page_cache()
-        passes["warm, RAM tier"] = mount.read_all(relpaths, READERS)
-        drop_page_cache()
-        mount.list_tree(relpaths)
-        passes["warm, RAM tier, names listed"] = mount.read_all(relpaths, READERS)
+    try:
+        with Mount(server, work / "mnt", args, tree=tree) as mount:
+            passes = {"cold": mount.read_all(relpaths, READERS)}
+            drop_page_cache()
+            passes["warm, RAM tier"] = mount.read_all(relpaths, READERS)
+            drop_page_cache()
+            mount.list_tree(relpaths)
+            passes["warm, RAM tier, names listed"] = mount.read_all(relpaths, READERS)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)  # every round starts cold, on its own
     return {name: {"cpu_ms_per_file": row["cpu_ms_per_file"],
                    "loop_ms_per_file": row["cpu_ms_per_file_by_thread"]["loop"]}
             for name, row in passes.items()}
