@@ -13,7 +13,10 @@ part of REV's daemon is imported from this checkout. Each round and tree mounts 
   - warm, RAM tier: page cache and dentries dropped, so each file is a LOOKUP and a READ
     served from RAM;
   - warm, RAM tier, names listed: the tree listed first (the kernel knows every inode
-    from READDIRPLUS), so READs only.
+    from READDIRPLUS), so READs only;
+  - cold, the order sent first: a second fresh mount, the readers' order sent before
+    they read, as HintSampler sends it (prefetch ahead of them), the daemon's CPU taken
+    once it is idle.
 For each: the daemon's CPU per file (/proc/PID/stat, all threads) and its event loop's
 share (the main thread), medians over the rounds, each round's figure kept. Needs root
 (FUSE, drop_caches). Results: JSON and a Markdown table under --out.
@@ -35,9 +38,11 @@ from typing import Any
 from bench.dataplane import Mount, drop_page_cache, make_dataset
 from bench.harness.saving import save_results
 from bench.harness.tree import ROOT
+from bucketfs.hints import send_order
 from tests.servers import S3Server
 
-PASSES = ("cold", "warm, RAM tier", "warm, RAM tier, names listed")
+PASSES = ("cold", "warm, RAM tier", "warm, RAM tier, names listed",
+          "cold, the order sent first")
 READERS = 16
 
 
@@ -69,8 +74,18 @@ def one_round(server: S3Server, work: Path, tree: Path, relpaths: list[str],
             drop_page_cache()
             mount.list_tree(relpaths)
             passes["warm, RAM tier, names listed"] = mount.read_all(relpaths, READERS)
+        shutil.rmtree(cache)  # every pass starts cold, on its own
+        cache.mkdir()
+        with Mount(server, work / "mnt", args, tree=tree) as mount:
+            def send() -> None:
+                paths = [str(mount.mountpoint / rel) for rel in relpaths]
+                if not send_order(paths, epoch=0, mount=str(mount.mountpoint), strict=True):
+                    raise RuntimeError("the daemon refused the order")
+
+            passes["cold, the order sent first"] = mount.read_all(
+                relpaths, READERS, begin=send, idle=True)
     finally:
-        shutil.rmtree(cache, ignore_errors=True)  # every round starts cold, on its own
+        shutil.rmtree(cache, ignore_errors=True)
     return {name: {"cpu_ms_per_file": row["cpu_ms_per_file"],
                    "loop_ms_per_file": row["cpu_ms_per_file_by_thread"]["loop"]}
             for name, row in passes.items()}

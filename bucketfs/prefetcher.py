@@ -482,45 +482,54 @@ class HintedPrefetch:
 
     async def _fetches(self, key: str) -> None:
         """Fetch `key`, then, while this task's slot is still wanted, whatever the
-        scheduler starts next: a finished fetch spawns no task and wakes no loop."""
-        while True:
-            await self._fetch(key)
-            target = self._target()
-            if len(self._tasks) >= target:
-                return
-            if len(self._tasks) + 1 < target:
-                self._poke()  # more slots free than this one (the target rose)
-            following = self.scheduler.next_fetches(1, self._cached)
-            if not following:
-                return
-            key = following[0]
+        scheduler starts next: a finished fetch spawns no task and wakes no loop. One
+        cancel scope serves every fetch of the task (a scope entered and left per fetch
+        was a tenth of what an order added to a cold read): cancelling the key being
+        fetched ends the task, and the fetch loop fills its slot again."""
+        with trio.CancelScope() as scope:
+            while True:
+                await self._fetch(key, scope)
+                if scope.cancel_called:  # cancelled as its fetch ended: no next key
+                    break
+                target = self._target()
+                if len(self._tasks) >= target:
+                    return
+                if len(self._tasks) + 1 < target:
+                    self._poke()  # more slots free than this one (the target rose)
+                following = self.scheduler.next_fetches(1, self._cached)
+                if not following:
+                    return
+                key = following[0]
+        self._poke()  # cancelled: its slot is free
 
-    async def _fetch(self, key: str) -> None:
+    async def _fetch(self, key: str, scope: trio.CancelScope) -> None:
+        """Fetch `key` under its task's `scope`; cancelled, trio.Cancelled leaves here
+        once the scheduler was told."""
         outcome = self.scheduler.cancelled
         started = trio.current_time()
-        with trio.CancelScope() as scope:
-            self._tasks[key] = scope
-            try:
-                obj = self.objects[key]
-                for index in self._blocks(obj):
-                    await self.cache.get(obj, index)
-                outcome = self.scheduler.fetched
-            except BackendError as exc:  # the reader's own read tries again
-                log.warning("hints: prefetch of %r failed: %s", key, exc)
-                outcome = self.scheduler.failed
-            except Exception as exc:  # a bug here must not take the mount down
-                failed(f"prefetch of {key!r}", exc)
-                outcome = self.scheduler.failed
-            finally:
-                del self._tasks[key]
-        if outcome != self.scheduler.cancelled:
-            # The link's throughput, readers' own GETs included: judged on prefetch's
-            # share alone, more GETs would seem to help whenever they only took
-            # bandwidth from the readers.
-            carried = self.cache.stats.origin_bytes - self._origin_bytes
-            self._origin_bytes += carried
-            self.concurrency.record(started, trio.current_time(), carried,
-                                    ok=outcome == self.scheduler.fetched)
+        self._tasks[key] = scope
+        try:
+            obj = self.objects[key]
+            for index in self._blocks(obj):
+                await self.cache.get(obj, index)
+            outcome = self.scheduler.fetched
+        except BackendError as exc:  # the reader's own read tries again
+            log.warning("hints: prefetch of %r failed: %s", key, exc)
+            outcome = self.scheduler.failed
+        except Exception as exc:  # a bug here must not take the mount down
+            failed(f"prefetch of {key!r}", exc)
+            outcome = self.scheduler.failed
+        finally:
+            del self._tasks[key]
+            if outcome == self.scheduler.cancelled:  # trio.Cancelled is on its way out
+                outcome(key)
+        # Fetched or failed. The link's throughput, readers' own GETs included: judged on
+        # prefetch's share alone, more GETs would seem to help whenever they only took
+        # bandwidth from the readers.
+        carried = self.cache.stats.origin_bytes - self._origin_bytes
+        self._origin_bytes += carried
+        self.concurrency.record(started, trio.current_time(), carried,
+                                ok=outcome == self.scheduler.fetched)
         outcome(key)
 
     async def _expire_idle_plans(self) -> None:

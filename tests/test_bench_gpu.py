@@ -45,8 +45,11 @@ def slow_batches(count: int, size: int) -> Iterator[tuple[Any, Any]]:
 def test_an_epoch_splits_its_time_into_data_wait_busy_and_idle() -> None:
     row = gpu_epoch.train_epoch(SleepyTrainer(), slow_batches(5, 4))  # type: ignore[arg-type]
     assert (row["images"], row["steps"]) == (20, 5)
-    assert row["gpu_busy_s"] == pytest.approx(5 * SleepyTrainer.STEP_S, abs=0.03)
-    assert row["data_wait_s"] == pytest.approx(5 * SleepyTrainer.WAIT_S, abs=0.03)
+    # A sleep never ends early and may end late on a loaded machine (one ran 31 ms over
+    # in five): bounds below, and the two disjoint within the epoch's wall time.
+    assert row["gpu_busy_s"] >= 5 * SleepyTrainer.STEP_S - 0.005
+    assert row["data_wait_s"] >= 5 * SleepyTrainer.WAIT_S - 0.005
+    assert row["gpu_busy_s"] + row["data_wait_s"] <= row["wall_s"] + 0.005
     # Waiting for data is idle time of the device: here the two never overlap.
     assert row["gpu_idle_s"] == pytest.approx(row["wall_s"] - row["gpu_busy_s"])
     assert row["gpu_idle_s"] >= row["data_wait_s"] - 0.01

@@ -300,3 +300,46 @@ def test_a_scrape_whose_copy_fails_gets_the_last_copy_and_the_mount_goes_on():
             assert await read(path) == objects["train/" + path]
 
     trio.run(with_daemon, backend, body)
+
+
+def test_cancelling_a_prefetch_in_flight_ends_its_task_and_the_slot_is_filled_again():
+    # One cancel scope serves every fetch of a prefetch task: the cancelled key is told
+    # `cancelled`, that task ends, and the rest of the order is still fetched.
+    import threading
+
+    objects = dataset(12)
+    paths = sorted(key.removeprefix("train/") for key in objects)
+    stuck = "train/" + paths[0]
+    gate = threading.Event()
+
+    class Gated(MemoryBackend):
+        def get_range(self, key: str, version: str, start: int, length: int) -> bytes:
+            if key == stuck:
+                gate.wait(10)
+            return super().get_range(key, version, start, length)
+
+    backend = Gated(objects)
+
+    async def body(prefetch, read):
+        told: list[str] = []
+        cancelled = prefetch.scheduler.cancelled
+        prefetch.scheduler.cancelled = lambda key: (told.append(key), cancelled(key))[1]
+        async with trio.open_nursery() as readers:
+            readers.start_soon(read, paths[0])  # its GET waits at the gate
+            while not prefetch.cache.inflight:
+                await trio.sleep(0.01)
+            prefetch.on_order(order("a", paths))
+            while stuck not in prefetch._tasks:  # joined the reader's GET
+                await trio.sleep(0.01)
+            prefetch._cancel([stuck])
+            await trio.sleep(0.05)
+            assert told == [stuck]
+            gate.set()
+        await settle(prefetch)
+        assert prefetch.scheduler.stats().failed_fetches == 0
+        assert all(prefetch.cache.ram.holds(BlockId(k, backend.version(k), 0,
+                                                    size=len(objects[k])))
+                   for k in objects)
+        assert not prefetch._tasks
+
+    trio.run(with_daemon, backend, body)
