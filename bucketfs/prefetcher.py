@@ -484,8 +484,8 @@ class HintedPrefetch:
         """Fetch `key`, then, while this task's slot is still wanted, whatever the
         scheduler starts next: a finished fetch spawns no task and wakes no loop. One
         cancel scope serves every fetch of the task (a scope entered and left per fetch
-        was a tenth of what an order added to a cold read): cancelling the key being
-        fetched ends the task, and the fetch loop fills its slot again."""
+        was half of the Python calls an order added to a cold read): cancelling the key
+        being fetched ends the task, and the fetch loop fills its slot again."""
         with trio.CancelScope() as scope:
             while True:
                 await self._fetch(key, scope)
