@@ -38,7 +38,6 @@ from typing import Any
 from bench.dataplane import Mount, drop_page_cache, make_dataset
 from bench.harness.saving import save_results
 from bench.harness.tree import ROOT
-from bucketfs.hints import send_order
 from tests.servers import S3Server
 
 PASSES = ("cold", "warm, RAM tier", "warm, RAM tier, names listed",
@@ -77,13 +76,8 @@ def one_round(server: S3Server, work: Path, tree: Path, relpaths: list[str],
         shutil.rmtree(cache)  # every pass starts cold, on its own
         cache.mkdir()
         with Mount(server, work / "mnt", args, tree=tree) as mount:
-            def send() -> None:
-                paths = [str(mount.mountpoint / rel) for rel in relpaths]
-                if not send_order(paths, epoch=0, mount=str(mount.mountpoint), strict=True):
-                    raise RuntimeError("the daemon refused the order")
-
             passes["cold, the order sent first"] = mount.read_all(
-                relpaths, READERS, begin=send, idle=True)
+                relpaths, READERS, begin=lambda: mount.send_order(relpaths), idle=True)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     return {name: {"cpu_ms_per_file": row["cpu_ms_per_file"],

@@ -262,6 +262,14 @@ class Mount:
                 "mb_per_s": total / wall / 1e6, "threads": threads,
                 "requests_per_file": census.per_file(len(relpaths))}
 
+    def send_order(self, relpaths: list[str], *, next_follows: bool = False) -> None:
+        """Send the readers' order (epoch 0) as HintSampler does; RuntimeError if the
+        daemon refuses it."""
+        where = str(self.mountpoint)
+        if not send_order([f"{where}/{rel}" for rel in relpaths], epoch=0, mount=where,
+                          strict=True, next_follows=next_follows):
+            raise RuntimeError("the daemon refused the order")
+
     def settle(self, timeout: float = 120.0) -> None:
         """Wait until the daemon has nothing queued for SSD and nothing read ahead in
         flight (its status, polled every 50 ms)."""
@@ -388,14 +396,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with Mount(server, work_dir / "hinted", [*ram, "--cache-dir",
                                                    str(work_dir / "cache-hinted")]) as mnt:
             mnt.list_tree(rel)
-
-            def send() -> None:
-                if not send_order([str(mnt.mountpoint / name) for name in rel], epoch=0,
-                                  mount=str(mnt.mountpoint), strict=True):
-                    raise RuntimeError("the daemon refused the order")
-
-            passes["cold, --cache-dir, hints"] = mnt.read_all(rel, args.readers, begin=send,
-                                                              idle=True)
+            passes["cold, --cache-dir, hints"] = mnt.read_all(
+                rel, args.readers, begin=lambda: mnt.send_order(rel), idle=True)
         # The same cache directory mounted again: RAM is empty, so every file comes from
         # the SSD tier, in another shuffled order (as the next epoch's would be).
         reshuffled = list(rel)

@@ -29,7 +29,7 @@ from typing import Any
 
 from bench.dataplane import Mount, make_dataset
 from bench.harness.saving import save_results
-from bucketfs.hints import send_next_order, send_order
+from bucketfs.hints import send_next_order
 from tests.servers import S3Server
 
 ARMS = ("no hints", "the order", "the order and the next")
@@ -47,9 +47,7 @@ def one_pass(server: S3Server, work: Path, arm: str, now: list[str], later: list
             if arm == "no hints":
                 return
             nexts = arm == "the order and the next"
-            if not send_order([f"{where}/{name}" for name in now], epoch=0, mount=where,
-                              strict=True, next_follows=nexts):
-                raise RuntimeError("the daemon refused the order")
+            mnt.send_order(now, next_follows=nexts)
             if nexts and not send_next_order([f"{where}/{name}" for name in later], epoch=1,
                                              mount=where, strict=True):
                 raise RuntimeError("the daemon refused the next order")

@@ -20,7 +20,7 @@ import pyfuse3
 from bucketfs.backends.base import BackendError, VersionChanged
 from bucketfs.cache.schema import DirEntry
 from bucketfs.logs import Throttle, held_back
-from bucketfs.namespace import Namespace
+from bucketfs.namespace import Namespace, keep_bounded
 from bucketfs.reader import OpenFile, Reader
 
 log = logging.getLogger(__name__)
@@ -170,10 +170,7 @@ class Operations(pyfuse3.Operations):
             attrs.entry_timeout = self.kernel_ttl
             return attrs
         if not node.is_dir:
-            looked_up = self.looked_up
-            looked_up[node.inode] = node
-            if len(looked_up) > _LOOKED_UP:
-                del looked_up[next(iter(looked_up))]
+            keep_bounded(self.looked_up, node.inode, node, _LOOKED_UP)
         return self._attributes(node)
 
     @fuse_errors

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import trio
 from rocksdict import Options, Rdict
@@ -39,6 +40,9 @@ from bucketfs.runtime import scratch_root
 from bucketfs.workers import in_worker
 
 log = logging.getLogger(__name__)
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 NAME_MAX = 255
 #: Old inodes remembered for the kernel (see Namespace._retired).
@@ -57,6 +61,14 @@ def scratch_tree_dir() -> str:
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(path, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"tree-{os.getpid()}-", dir=root)
+
+
+def keep_bounded(kept: dict[K, V], key: K, value: V, limit: int) -> None:
+    """`kept[key] = value`, then the oldest entry dropped while more than `limit`
+    remain (first in, first out: a dict keeps insertion order)."""
+    kept[key] = value
+    if len(kept) > limit:
+        del kept[next(iter(kept))]
 
 
 def invalid_name_reason(name: str) -> str | None:
@@ -146,9 +158,7 @@ class Namespace:
             return retired
         entry = self._view(entry)
         if entry.is_dir:
-            self._directories[inode] = entry
-            if len(self._directories) > DIRECTORIES:
-                del self._directories[next(iter(self._directories))]
+            keep_bounded(self._directories, inode, entry, DIRECTORIES)
         return entry
 
     def forget(self, inode: int) -> None:
@@ -227,13 +237,8 @@ class Namespace:
             listed_at = self.tree.listed_at(directory.inode)
             if listed_at is None:
                 return False
-            self._note_listed(directory.inode, listed_at)
+            keep_bounded(self._listed_at, directory.inode, listed_at, DIRECTORIES)
         return self.clock() - listed_at < self.metadata_ttl
-
-    def _note_listed(self, inode: int, listed_at: float) -> None:
-        self._listed_at[inode] = listed_at
-        if len(self._listed_at) > DIRECTORIES:
-            del self._listed_at[next(iter(self._listed_at))]
 
     async def _listed(self, directory: DirEntry) -> None:
         # Single-flight: concurrent lookups in an unlisted directory share one listing. A
@@ -269,7 +274,7 @@ class Namespace:
                                              f"{key + '/'!r} of the same name")
                     self._gone(changes.gone)
                 self._gone(await in_worker(self.tree.finish, listing, listed_at))
-                self._note_listed(directory.inode, listed_at)
+                keep_bounded(self._listed_at, directory.inode, listed_at, DIRECTORIES)
                 return
             except IndexUnwritable:
                 if in_memory:
