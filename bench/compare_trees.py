@@ -14,6 +14,8 @@ part of REV's daemon is imported from this checkout. Each round and tree mounts 
     served from RAM;
   - warm, RAM tier, names listed: the tree listed first (the kernel knows every inode
     from READDIRPLUS), so READs only;
+  - warm, page cache: the same again, every byte in the page cache, so each file costs
+    the daemon only the IOCTL of Python's `open()` (its `isatty()`);
   - cold, the order sent first: a second fresh mount, the readers' order sent before
     they read, as HintSampler sends it (prefetch ahead of them), the daemon's CPU taken
     once it is idle.
@@ -40,7 +42,7 @@ from bench.harness.saving import save_results
 from bench.harness.tree import ROOT
 from tests.servers import S3Server
 
-PASSES = ("cold", "warm, RAM tier", "warm, RAM tier, names listed",
+PASSES = ("cold", "warm, RAM tier", "warm, RAM tier, names listed", "warm, page cache",
           "cold, the order sent first")
 READERS = 16
 
@@ -73,6 +75,7 @@ def one_round(server: S3Server, work: Path, tree: Path, relpaths: list[str],
             drop_page_cache()
             mount.list_tree(relpaths)
             passes["warm, RAM tier, names listed"] = mount.read_all(relpaths, READERS)
+            passes["warm, page cache"] = mount.read_all(relpaths, READERS)
         shutil.rmtree(cache)  # every pass starts cold, on its own
         cache.mkdir()
         with Mount(server, work / "mnt", args, tree=tree) as mount:
