@@ -19,8 +19,10 @@ part of REV's daemon is imported from this checkout. Each round and tree mounts 
   - cold, the order sent first: a second fresh mount, the readers' order sent before
     they read, as HintSampler sends it (prefetch ahead of them), the daemon's CPU taken
     once it is idle.
-For each: the daemon's CPU per file (/proc/PID/stat, all threads) and its event loop's
-share (the main thread), medians over the rounds, each round's figure kept. Needs root
+For each: the daemon's CPU per file (/proc/PID/stat, all threads), its event loop's
+share (the main thread) and its voluntary context switches per file (all live threads:
+the hand-offs a node with many cores pays most for), medians over the rounds, each
+round's figure kept. Needs root
 (FUSE, drop_caches). Results: JSON and a Markdown table under --out.
 """
 
@@ -45,6 +47,7 @@ from tests.servers import S3Server
 PASSES = ("cold", "warm, RAM tier", "warm, RAM tier, names listed", "warm, page cache",
           "cold, the order sent first")
 READERS = 16
+MEASURES = ("cpu_ms_per_file", "loop_ms_per_file", "switches_per_file")
 
 
 @contextlib.contextmanager
@@ -84,7 +87,8 @@ def one_round(server: S3Server, work: Path, tree: Path, relpaths: list[str],
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     return {name: {"cpu_ms_per_file": row["cpu_ms_per_file"],
-                   "loop_ms_per_file": row["cpu_ms_per_file_by_thread"]["loop"]}
+                   "loop_ms_per_file": row["cpu_ms_per_file_by_thread"]["loop"],
+                   "switches_per_file": sum(row["switches_per_file_by_thread"].values())}
             for name, row in passes.items()}
 
 
@@ -104,7 +108,7 @@ def compare(rev: str, rounds: int, files: int) -> dict[str, Any]:
                     flush=True)
     summary = {name: {p: {measure: {"median": statistics.median(r[p][measure] for r in rows),
                                     "rounds": [r[p][measure] for r in rows]}
-                          for measure in ("cpu_ms_per_file", "loop_ms_per_file")}
+                          for measure in MEASURES}
                       for p in PASSES}
                for name, rows in runs.items()}
     return {"rev": rev, "rounds": rounds, "files": files, "trees": summary}
@@ -113,13 +117,16 @@ def compare(rev: str, rounds: int, files: int) -> dict[str, Any]:
 def table(results: dict[str, Any]) -> str:
     rev = results["rev"]
     trees = results["trees"]
-    lines = [f"| pass | {rev}: ms per file (loop) | this tree: ms per file (loop) |",
-             "| --- | ---: | ---: |"]
+    lines = [f"| pass | {rev}: ms per file (loop) | this tree: ms per file (loop) "
+             f"| {rev}: context switches per file | this tree: context switches per file |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     for p in PASSES:
         cells = [f"{t[p]['cpu_ms_per_file']['median']:.3f} "
                  f"({t[p]['loop_ms_per_file']['median']:.3f})"
                  for t in (trees[rev], trees["this tree"])]
-        lines.append(f"| {p} | {cells[0]} | {cells[1]} |")
+        cells += [f"{t[p]['switches_per_file']['median']:.2f}"
+                  for t in (trees[rev], trees["this tree"])]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + f"\n\nMedians of {results['rounds']} interleaved rounds.\n"
 
 

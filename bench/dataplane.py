@@ -32,7 +32,12 @@ layout and one LARGE_MIB object:
     trio's worker threads, and the rest (obstore's runtime, RocksDB, threads that
     exited; harness/procstats.py says how they are told apart). The loop is one core at
     most, so files / loop CPU is the most files/s one daemon can serve however many
-    cores the node has (an upper bound: the GIL shared with the workers may cut it).
+    cores the node has (an upper bound: the GIL shared with the workers may cut it);
+  - for every pass, the daemon's voluntary context switches per file by the same parts
+    (/proc/PID/task/*/status): each a thread that blocked and was woken again, a
+    hand-off between threads, a wait for the GIL, for I/O or for work. They are what a
+    node with many cores pays most for (a wakeup crosses cores), and they count the
+    same on two cores as on sixty-four.
 With --profile DIR, py-spy (--gil --native) records the daemon during the cold and warm
 passes (raw collapsed stacks, and a summary of the top frames); sampling slows the
 daemon, so a profiled run's figures are not the ones to report. Needs root (FUSE,
@@ -57,7 +62,14 @@ from typing import Any
 
 from bench.fresh_memory import touch
 from bench.harness.fuse_census import Census
-from bench.harness.procstats import cpu_seconds, self_cpu, split_by_thread, thread_cpu
+from bench.harness.procstats import (
+    cpu_seconds,
+    self_cpu,
+    split_by_thread,
+    switches_by_thread,
+    thread_cpu,
+    thread_switches,
+)
 from bench.harness.saving import save_results
 from bench.harness.tree import this_tree
 from bucketfs.hints import send_order
@@ -244,6 +256,7 @@ class Mount:
         read = read or read_with_open
         with Census(self.mountpoint) as census:
             cpu, threads_before = cpu_seconds(self.pid), thread_cpu(self.pid)
+            switches_before = thread_switches(self.pid)
             if begin is not None:
                 begin()
             total, wall = parallel(relpaths, threads, lambda rel: read(self.mountpoint / rel))
@@ -254,10 +267,14 @@ class Mount:
                 self.idle()
             used = cpu_seconds(self.pid) - cpu
             by_thread = split_by_thread(self.pid, threads_before, thread_cpu(self.pid), used)
+            switches = switches_by_thread(self.pid, switches_before,
+                                          thread_switches(self.pid))
         return {"files": len(relpaths), "bytes": total, "wall_s": wall,
                 "daemon_cpu_s": used, "cpu_ms_per_file": 1000 * used / len(relpaths),
                 "cpu_ms_per_file_by_thread": {
                     part: 1000 * seconds / len(relpaths) for part, seconds in by_thread.items()},
+                "switches_per_file_by_thread": {
+                    part: n / len(relpaths) for part, n in switches.items()},
                 "cpu_s_per_gib": used / (total / GiB), "files_per_s": len(relpaths) / wall,
                 "mb_per_s": total / wall / 1e6, "threads": threads,
                 "requests_per_file": census.per_file(len(relpaths))}
@@ -488,9 +505,10 @@ def report(results: dict[str, Any]) -> str:
             lines.append(f"| {row['reader']}{backed} | {row['mb_per_s']:.0f} "
                          f"| {row['cpu_s_per_gib']:.2f} |")
     lines += ["", "| pass | event loop | worker threads | other threads | files/s one "
-              "event loop allows |", "| --- | ---: | ---: | ---: | ---: |"]
+              "event loop allows | context switches per file (loop / workers / other) |",
+              "| --- | ---: | ---: | ---: | ---: | --- |"]
     for name, row in results["passes"].items():
-        lines.append(f"| {name} | {by_thread_text(row)} |")
+        lines.append(f"| {name} | {by_thread_text(row)} | {switches_text(row)} |")
     lines += ["", "| readers | cold files/s | cold MB/s | cold CPU/file | cold CPU-s/GiB "
               "| cold loop CPU/file | warm files/s | warm MB/s | warm CPU/file "
               "| warm loop CPU/file |",
@@ -518,6 +536,17 @@ def by_thread_text(row: dict[str, Any]) -> str:
     ceiling = f"{1000 / split['loop']:,.0f}" if split["loop"] > 0 else "—"
     return (f"{split['loop']:.3f} ms | {split['workers']:.3f} ms | {split['other']:.3f} ms "
             f"| {ceiling}")
+
+
+def switches_text(row: dict[str, Any]) -> str:
+    """"0.95 / 7.18 / 2.46": a pass's voluntary context switches per file by thread. Each
+    is a thread that blocked and was woken again (a hand-off between threads, a wait for
+    the GIL, for I/O or for work): what a many-core node pays most for, counted the same
+    on two cores as on sixty-four."""
+    split = row.get("switches_per_file_by_thread")
+    if split is None:
+        return "—"
+    return f"{split['loop']:.2f} / {split['workers']:.2f} / {split['other']:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ def test_both_trees_are_measured_for_every_pass_and_the_worktree_goes(tmp_path, 
     for tree in saved["trees"].values():
         assert list(tree) == list(compare_trees.PASSES)
         assert tree["cold"]["cpu_ms_per_file"]["median"] > 0  # 100 GETs: ticks counted
+        assert tree["cold"]["switches_per_file"]["median"] > 1  # each GET a hand-off
         for row in tree.values():  # /proc counts 10 ms ticks: a warm pass may count none
             assert len(row["cpu_ms_per_file"]["rounds"]) == 1
             assert row["loop_ms_per_file"]["median"] >= 0

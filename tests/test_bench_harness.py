@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.dataplane import by_thread_text, requests_text
+from bench.dataplane import by_thread_text, requests_text, switches_text
 from bench.harness import costs, fuse_census, procstats, tree
 from bench.harness.contenders import CONTENDERS, parse_contenders
 from bench.harness.dataset import size_summary
@@ -323,6 +323,50 @@ def test_the_data_path_report_gives_the_loops_ceiling() -> None:
     row = {"cpu_ms_per_file_by_thread": {"loop": 0.25, "workers": 0.1, "other": 0.125}}
     assert by_thread_text(row) == "0.250 ms | 0.100 ms | 0.125 ms | 4,000"
     assert by_thread_text({}) == "— | — | — | —"
+
+
+def _block_and_stay(times: int, name: bytes | None, done: threading.Event,
+                    release: threading.Event) -> None:
+    """Block `times` times (each a voluntary context switch: the thread sleeps and is
+    woken), then stay alive until released."""
+    if name is not None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+    for _ in range(times):
+        time.sleep(0.001)
+    done.set()
+    release.wait(30)
+
+
+def test_voluntary_context_switches_are_split_like_the_cpu() -> None:
+    pid = os.getpid()
+    before = procstats.thread_switches(pid)
+    release = threading.Event()
+    blockers = []
+    for times, name in ((40, None), (25, b"native-blocker")):
+        done = threading.Event()
+        thread = threading.Thread(target=_block_and_stay, args=(times, name, done, release),
+                                  name="Trio thread 98")
+        thread.start()
+        blockers.append((thread, done))
+    try:
+        for _, done in blockers:
+            assert done.wait(30)
+        after = procstats.thread_switches(pid)
+    finally:
+        release.set()
+        for thread, _ in blockers:
+            thread.join()
+    split = procstats.switches_by_thread(pid, before, after)
+    # Each sleep blocks once; starting, the Event and the GIL may add a few more.
+    assert 40 <= split["workers"] <= 60
+    assert 25 <= split["other"] <= 45
+    assert split["loop"] < 25  # this thread only waited on two Events
+    assert procstats.switches_by_thread(pid + 10**7, before, after) == {
+        "loop": 0, "workers": 0, "other": 0}  # a process that is gone
+    row = {"switches_per_file_by_thread": {"loop": 0.95, "workers": 7.18, "other": 2.456}}
+    assert switches_text(row) == "0.95 / 7.18 / 2.46"
+    assert switches_text({}) == "—"
 
 
 def test_placement_variants_name_cores_and_runtime_threads() -> None:

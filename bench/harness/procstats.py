@@ -70,16 +70,20 @@ def peak_rss_mib(pid: int) -> float:
     return total_kib / 1024
 
 
+def _threads(pid: int) -> list[int]:
+    """The ids of the live threads of process pid (none if it is gone)."""
+    try:
+        return [int(entry.name) for entry in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:
+        return []
+
+
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     """User + system seconds of each live thread of process pid, by thread id, with the
     thread's name (`comm`). A thread that has exited is gone from this map, though the
     process's own total (`cpu_seconds`) still counts its time."""
     threads: dict[int, tuple[str, float]] = {}
-    try:
-        tids = [int(entry.name) for entry in Path(f"/proc/{pid}/task").iterdir()]
-    except OSError:
-        return threads
-    for tid in tids:
+    for tid in _threads(pid):
         stat = _read_stat(f"/proc/{pid}/task/{tid}/stat")
         if stat is None:
             continue  # exited between the listing and the read
@@ -88,26 +92,72 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     return threads
 
 
+def thread_switches(pid: int) -> dict[int, tuple[str, int]]:
+    """Voluntary context switches of each live thread of process pid (`voluntary_ctxt_
+    switches` in /proc/PID/task/TID/status: each time the thread blocked, on I/O, a lock,
+    the GIL or a wait for work), by thread id, with the thread's name. A thread that has
+    exited is gone from this map, and /proc keeps no total for it."""
+    threads: dict[int, tuple[str, int]] = {}
+    for tid in _threads(pid):
+        stat = _read_stat(f"/proc/{pid}/task/{tid}/stat")
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:
+            continue  # exited between the listing and the read
+        if stat is None:
+            continue
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                threads[tid] = (stat[0], int(line.split()[1]))
+                break
+    return threads
+
+
 #: How trio names its worker threads (the OS name is cut to 15 bytes).
 _WORKER_NAME = "Trio thread"
+
+
+def _part(pid: int, tid: int, name: str, process_name: str) -> str:
+    """Which part of the daemon a thread is: its event loop (the main thread), one of
+    trio's worker threads, or another (native) thread. A worker is told by its name: up
+    to Python 3.13 a Python thread keeps the process's, where native threads name
+    themselves (tokio's `tokio-rt-worker`, RocksDB's `rocksdb:low`); from 3.14 it carries
+    its Python name, which trio makes "Trio thread N"."""
+    if tid == pid:
+        return "loop"
+    if name == process_name or name.startswith(_WORKER_NAME):
+        return "workers"
+    return "other"
 
 
 def split_by_thread(pid: int, before: dict[int, tuple[str, float]],
                     after: dict[int, tuple[str, float]], total: float) -> dict[str, float]:
     """The CPU seconds `total` of process pid between two `thread_cpu` samples, split into
     its main thread (the daemon's event loop), trio's worker threads and the rest
-    (native threads, and threads that exited between the samples). A worker is told by
-    its name: up to Python 3.13 a Python thread keeps the process's, where native
-    threads name themselves (tokio's `tokio-rt-worker`, RocksDB's `rocksdb:low`); from
-    3.14 it carries its Python name, which trio makes "Trio thread N"."""
+    (native threads, and threads that exited between the samples)."""
     if pid not in after:
         return {"loop": 0.0, "workers": 0.0, "other": total}
+    parts = _deltas(pid, before, after)
+    return {"loop": parts["loop"], "workers": parts["workers"],
+            "other": max(0.0, total - parts["loop"] - parts["workers"])}
 
-    def delta(tid: int) -> float:
-        return after[tid][1] - (before[tid][1] if tid in before else 0.0)
 
+def switches_by_thread(pid: int, before: dict[int, tuple[str, int]],
+                       after: dict[int, tuple[str, int]]) -> dict[str, int]:
+    """The voluntary context switches of process pid between two `thread_switches`
+    samples, by part as `split_by_thread` splits CPU (threads that exited in between
+    are not counted: /proc keeps no count for them)."""
+    if pid not in after:
+        return {"loop": 0, "workers": 0, "other": 0}
+    return {part: int(n) for part, n in _deltas(pid, before, after).items()}
+
+
+def _deltas(pid: int, before: dict[int, tuple[str, float]] | dict[int, tuple[str, int]],
+            after: dict[int, tuple[str, float]] | dict[int, tuple[str, int]],
+            ) -> dict[str, float]:
     process_name = after[pid][0]
-    loop = delta(pid)
-    workers = sum(delta(tid) for tid, (name, _) in after.items()
-                  if tid != pid and (name == process_name or name.startswith(_WORKER_NAME)))
-    return {"loop": loop, "workers": workers, "other": max(0.0, total - loop - workers)}
+    parts = {"loop": 0.0, "workers": 0.0, "other": 0.0}
+    for tid, (name, value) in after.items():
+        parts[_part(pid, tid, name, process_name)] += value - (before[tid][1]
+                                                               if tid in before else 0)
+    return parts

@@ -1,0 +1,21 @@
+"""bench.worker_hops runs end to end against SeaweedFS and reports every arm."""
+
+from __future__ import annotations
+
+import json
+
+from bench import worker_hops
+
+
+def test_every_arm_is_measured_in_cpu_and_context_switches(tmp_path, capsys):
+    assert worker_hops.main(["--objects", "48", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    saved = json.loads(next(tmp_path.glob("worker-hops-*.json")).read_text())
+    assert list(saved["arms"]) == list(worker_hops.ARMS)
+    for arm, row in saved["arms"].items():
+        assert len(row["cpu_ms_per_call"]["rounds"]) == 2
+        assert row["cpu_ms_per_call"]["median"] > 0, arm
+        # Every arm hands work between threads or waits on the network: it blocks.
+        assert row["voluntary_switches_per_call"]["median"] > 0.5, arm
+        assert row["calls_per_s"]["median"] > 0, arm
+    out = capsys.readouterr().out
+    assert "| through in_worker |" in out and "| plain threads |" in out
