@@ -16,6 +16,8 @@ part of REV's daemon is imported from this checkout. Each round and tree mounts 
     from READDIRPLUS), so READs only;
   - warm, page cache: the same again, every byte in the page cache, so each file costs
     the daemon only the IOCTL of Python's `open()` (its `isatty()`);
+  - warm, SSD tier (remounted): the same cache directory mounted again, the page cache
+    and dentries dropped, so each file is a LOOKUP and a read from the SSD tier;
   - cold, the order sent first: a second fresh mount, the readers' order sent before
     they read, as HintSampler sends it (prefetch ahead of them), the daemon's CPU taken
     once it is idle.
@@ -45,7 +47,7 @@ from bench.harness.tree import ROOT
 from tests.servers import S3Server
 
 PASSES = ("cold", "warm, RAM tier", "warm, RAM tier, names listed", "warm, page cache",
-          "cold, the order sent first")
+          "warm, SSD tier (remounted)", "cold, the order sent first")
 READERS = 16
 MEASURES = ("cpu_ms_per_file", "loop_ms_per_file", "switches_per_file")
 
@@ -79,6 +81,9 @@ def one_round(server: S3Server, work: Path, tree: Path, relpaths: list[str],
             mount.list_tree(relpaths)
             passes["warm, RAM tier, names listed"] = mount.read_all(relpaths, READERS)
             passes["warm, page cache"] = mount.read_all(relpaths, READERS)
+        with Mount(server, work / "mnt", args, tree=tree) as mount:  # the same cache
+            drop_page_cache()
+            passes["warm, SSD tier (remounted)"] = mount.read_all(relpaths, READERS)
         shutil.rmtree(cache)  # every pass starts cold, on its own
         cache.mkdir()
         with Mount(server, work / "mnt", args, tree=tree) as mount:
