@@ -30,6 +30,7 @@ import resource
 import statistics
 import threading
 import time
+import unittest.mock
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,16 +118,18 @@ def run(objects: int, rounds: int) -> dict[str, Any]:
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda key: client.put_object(Bucket=BUCKET, Key=key,
                                                         Body=os.urandom(SIZE)), keys))
-        os.environ.update(server.env())  # the backend's credential chain reads them
-        backend = open_backend(parse_bucket_url(f"s3://{BUCKET}"),
-                               BackendSettings(addressing_style="path", max_connections=32))
-        versions = {key: backend.head(key).version for key in keys}
-        rows: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
-        for round_ in range(rounds):
-            for arm in ARMS if round_ % 2 == 0 else ARMS[::-1]:
-                rows[arm].append(measure(arm, backend.get_range, versions))
-                print(f"round {round_ + 1}, {arm}: " + ", ".join(
-                    f"{k} {v:.3f}" for k, v in rows[arm][-1].items()), flush=True)
+        # The backend's credential chain reads the environment; it is put back after.
+        with unittest.mock.patch.dict(os.environ, server.env()):
+            backend = open_backend(parse_bucket_url(f"s3://{BUCKET}"),
+                                   BackendSettings(addressing_style="path",
+                                                   max_connections=32))
+            versions = {key: backend.head(key).version for key in keys}
+            rows: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+            for round_ in range(rounds):
+                for arm in ARMS if round_ % 2 == 0 else ARMS[::-1]:
+                    rows[arm].append(measure(arm, backend.get_range, versions))
+                    print(f"round {round_ + 1}, {arm}: " + ", ".join(
+                        f"{k} {v:.3f}" for k, v in rows[arm][-1].items()), flush=True)
     return {"objects": objects, "rounds": rounds, "size": SIZE, "callers": CALLERS,
             "machine": f"{os.uname().nodename}, {os.cpu_count()} cores",
             "arms": {arm: {measure: {"median": statistics.median(r[measure] for r in rs),

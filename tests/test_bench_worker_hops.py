@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from bench import worker_hops
 
@@ -19,3 +20,9 @@ def test_every_arm_is_measured_in_cpu_and_context_switches(tmp_path, capsys):
         assert row["calls_per_s"]["median"] > 0, arm
     out = capsys.readouterr().out
     assert "| through in_worker |" in out and "| plain threads |" in out
+
+
+def test_the_server_credentials_do_not_stay_in_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    assert worker_hops.main(["--objects", "16", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    assert "AWS_ENDPOINT_URL" not in os.environ  # later tests see no stopped server's
