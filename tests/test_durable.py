@@ -132,3 +132,38 @@ def test_put_many_refuses_bytes_of_the_wrong_length(tmp_path):
         disk.put_many([good, (block, data + b"!", cost)])
     assert disk.used == 0 and not disk.writing and not disk.holds(good[0])
     disk.close()
+
+
+def test_parts_are_written_in_order_in_one_call_each_iov_max(tmp_path, monkeypatch):
+    # Each write releases the GIL, and a worker then waits to take it back: the parts of
+    # a file go in one writev (as many as the kernel takes in one).
+    calls: list[int] = []
+    real = os.writev
+
+    def counting(fd, buffers):
+        calls.append(len(buffers))
+        return real(fd, buffers)
+
+    monkeypatch.setattr(durable.os, "writev", counting)
+    parts = [os.urandom(100 + i) for i in range(40)] + [b"", os.urandom(300_000)]
+    durable.write_durably(tmp_path / "chunk", parts)
+    assert (tmp_path / "chunk").read_bytes() == b"".join(parts)
+    assert calls == [41]  # the empty part is not sent
+    calls.clear()
+    many = [bytes([i % 251]) * 3 for i in range(2 * durable._IOV_MAX + 5)]
+    assert durable.write_many([(tmp_path / "many", many)]) == [None]
+    assert (tmp_path / "many").read_bytes() == b"".join(many)
+    assert calls == [durable._IOV_MAX, durable._IOV_MAX, 5]
+
+
+def test_a_short_write_goes_on_from_where_it_stopped(tmp_path, monkeypatch):
+    real = os.writev
+
+    def at_most_1000_bytes(fd, buffers):  # as a signal or a full pipe may cut one short
+        joined = b"".join(bytes(b) for b in buffers)
+        return real(fd, [joined[:1000]])
+
+    monkeypatch.setattr(durable.os, "writev", at_most_1000_bytes)
+    parts = [os.urandom(n) for n in (10, 999, 1, 2500, 7)]
+    durable.write_durably(tmp_path / "cut", parts)
+    assert (tmp_path / "cut").read_bytes() == b"".join(parts)
