@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -270,17 +271,38 @@ def _burn(seconds: float) -> None:
         pass
 
 
-def _burn_and_stay(seconds: float, name: bytes | None, burnt: threading.Event,
-                   release: threading.Event) -> None:
-    """Burn CPU, then stay alive until released: a thread that has exited is gone from
-    /proc/PID/task. `name`: the thread names itself, as native threads (tokio's, RocksDB's)
-    do."""
-    if name is not None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
-    _burn(seconds)
-    burnt.set()
-    release.wait(30)
+def _block(times: int) -> None:
+    """Block `times` times (each a voluntary context switch: the thread sleeps and is
+    woken)."""
+    for _ in range(times):
+        time.sleep(0.001)
+
+
+def _threads_that_stay(works: list[tuple[Callable[[], None], bytes | None]],
+                       release: threading.Event) -> list[threading.Thread]:
+    """A thread per (work, name), started: each does its work, then stays alive until
+    `release` (a thread that has exited is gone from /proc/PID/task). Returns once every
+    work is done. `name`: the thread names itself, as native threads (tokio's,
+    RocksDB's) do; otherwise it keeps Python's name, as trio names its workers."""
+    def run(work: Callable[[], None], name: bytes | None, done: threading.Event) -> None:
+        if name is not None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+        work()
+        done.set()
+        release.wait(30)
+
+    threads, finished = [], []
+    for work, name in works:
+        done = threading.Event()
+        # Named as trio names its workers: from Python 3.14 the OS sees that name.
+        thread = threading.Thread(target=run, args=(work, name, done), name="Trio thread 99")
+        thread.start()
+        threads.append(thread)
+        finished.append(done)
+    for done in finished:
+        assert done.wait(30)
+    return threads
 
 
 def test_the_daemons_cpu_is_split_into_its_loop_its_python_threads_and_the_rest() -> None:
@@ -288,24 +310,16 @@ def test_the_daemons_cpu_is_split_into_its_loop_its_python_threads_and_the_rest(
     assert threading.get_native_id() == pid  # the main thread, as the daemon's loop
     total_before, before = procstats.cpu_seconds(pid), procstats.thread_cpu(pid)
     release = threading.Event()
-    burners = []
-    for seconds, name in ((0.4, None), (0.3, b"native-burner")):
-        burnt = threading.Event()
-        # Named as trio names its workers: from Python 3.14 the OS sees that name.
-        thread = threading.Thread(target=_burn_and_stay, args=(seconds, name, burnt, release),
-                                  name="Trio thread 99")
-        thread.start()
-        burners.append((thread, burnt))
     try:
         _burn(0.2)
-        for _, burnt in burners:
-            assert burnt.wait(30)
+        burners = _threads_that_stay([(lambda: _burn(0.4), None),
+                                      (lambda: _burn(0.3), b"native-burner")], release)
         after = procstats.thread_cpu(pid)
         total = procstats.cpu_seconds(pid) - total_before
     finally:
         release.set()
-        for thread, _ in burners:
-            thread.join()
+    for thread in burners:
+        thread.join()
     split = procstats.split_by_thread(pid, before, after, total)
     # /proc counts in ticks of 10 ms; starting the threads adds a little.
     assert split["loop"] == pytest.approx(0.2, abs=0.06)
@@ -313,7 +327,7 @@ def test_the_daemons_cpu_is_split_into_its_loop_its_python_threads_and_the_rest(
     assert split["other"] == pytest.approx(0.3, abs=0.06)
     assert sum(split.values()) == pytest.approx(total)
     # A thread gone by the second sample is counted with the rest, not lost.
-    del after[burners[0][0].native_id]
+    del after[burners[0].native_id]
     gone = procstats.split_by_thread(pid, before, after, total)
     assert gone["workers"] == pytest.approx(0.0, abs=0.02)
     assert gone["other"] == pytest.approx(0.7, abs=0.1)
@@ -325,38 +339,18 @@ def test_the_data_path_report_gives_the_loops_ceiling() -> None:
     assert by_thread_text({}) == "— | — | — | —"
 
 
-def _block_and_stay(times: int, name: bytes | None, done: threading.Event,
-                    release: threading.Event) -> None:
-    """Block `times` times (each a voluntary context switch: the thread sleeps and is
-    woken), then stay alive until released."""
-    if name is not None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
-    for _ in range(times):
-        time.sleep(0.001)
-    done.set()
-    release.wait(30)
-
-
 def test_voluntary_context_switches_are_split_like_the_cpu() -> None:
     pid = os.getpid()
     before = procstats.thread_switches(pid)
     release = threading.Event()
-    blockers = []
-    for times, name in ((40, None), (25, b"native-blocker")):
-        done = threading.Event()
-        thread = threading.Thread(target=_block_and_stay, args=(times, name, done, release),
-                                  name="Trio thread 98")
-        thread.start()
-        blockers.append((thread, done))
     try:
-        for _, done in blockers:
-            assert done.wait(30)
+        blockers = _threads_that_stay([(lambda: _block(40), None),
+                                       (lambda: _block(25), b"native-blocker")], release)
         after = procstats.thread_switches(pid)
     finally:
         release.set()
-        for thread, _ in blockers:
-            thread.join()
+    for thread in blockers:
+        thread.join()
     split = procstats.switches_by_thread(pid, before, after)
     # Each sleep blocks once; starting, the Event and the GIL may add a few more.
     assert 40 <= split["workers"] <= 60

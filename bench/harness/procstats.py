@@ -99,17 +99,12 @@ def thread_switches(pid: int) -> dict[int, tuple[str, int]]:
     exited is gone from this map, and /proc keeps no total for it."""
     threads: dict[int, tuple[str, int]] = {}
     for tid in _threads(pid):
-        stat = _read_stat(f"/proc/{pid}/task/{tid}/stat")
         try:
             status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
         except OSError:
             continue  # exited between the listing and the read
-        if stat is None:
-            continue
-        for line in status.splitlines():
-            if line.startswith("voluntary_ctxt_switches:"):
-                threads[tid] = (stat[0], int(line.split()[1]))
-                break
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        threads[tid] = (fields["Name"], int(fields["voluntary_ctxt_switches"]))
     return threads
 
 

@@ -52,8 +52,8 @@ def write_parts(fd: int, parts: Iterable[bytes]) -> None:
     kernel takes: one `writev` for up to IOV_MAX of them. Why not a write per part: each
     call releases the GIL, and the worker thread then waits to take it back from the
     trio thread, a context switch per part (a write-through chunk has a part per file)."""
-    pending = collections.deque(view for view in (memoryview(p).cast("B") for p in parts)
-                                if len(view))
+    views = (memoryview(part).cast("B") for part in parts)  # sliced by the byte below
+    pending = collections.deque(view for view in views if view.nbytes)
     while pending:
         written = os.writev(fd, list(itertools.islice(pending, _IOV_MAX)))
         if written <= 0:
