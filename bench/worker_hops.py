@@ -12,7 +12,9 @@ On loopback SeaweedFS, OBJECTS objects of 100 KB, each fetched by the backend's 
     handed back (the daemon's path: `workers.in_worker`, under a `CapacityLimiter` of
     32);
   - the hand-off alone: the same, with a call that returns 100 KB at once in place of
-    the GET.
+    the GET;
+  - libcurl on the trio thread: 16 trio tasks, each GET made by the backend's
+    `async_get_range` (the daemon's GETs since step 33: curl_multi.py), no thread hop.
 For each: CPU per call (`time.process_time`, all threads of this process) and context
 switches per call (`getrusage`: voluntary, each a thread that blocked and was woken
 again, on the GIL, a lock, I/O or work to do; involuntary, each a preemption), medians
@@ -47,7 +49,8 @@ from tests.servers import S3Server
 BUCKET = "workerhops"
 SIZE = 100_000
 CALLERS = 16
-ARMS = ("plain threads", "through in_worker", "the hand-off alone")
+ARMS = ("plain threads", "through in_worker", "the hand-off alone",
+        "libcurl on the trio thread")
 
 Get = Callable[[str, str, int, int], Any]
 
@@ -94,10 +97,28 @@ def with_in_worker(get: Get, versions: dict[str, str]) -> None:
     trio.run(main)
 
 
-def measure(arm: str, get: Get, versions: dict[str, str]) -> dict[str, float]:
+def on_the_trio_thread(fetch: Callable[..., Any], versions: dict[str, str]) -> None:
+    async def main() -> None:
+        keys = iter(versions)
+
+        async def caller() -> None:
+            for key in keys:
+                await fetch(key, versions[key], 0, SIZE)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(CALLERS):
+                nursery.start_soon(caller)
+
+    trio.run(main)
+
+
+def measure(arm: str, backend: Any, versions: dict[str, str]) -> dict[str, float]:
     body = bytes(SIZE)
-    run = with_threads if arm == "plain threads" else with_in_worker
-    call = get if arm != "the hand-off alone" else (lambda *_: body)
+    run = {"plain threads": with_threads,
+           "libcurl on the trio thread": on_the_trio_thread}.get(arm, with_in_worker)
+    call = {"the hand-off alone": lambda *_: body,
+            "libcurl on the trio thread": backend.async_get_range}.get(
+                arm, backend.get_range)
     cpu, voluntary, involuntary = usage()
     began = time.monotonic()
     run(call, versions)
@@ -127,7 +148,7 @@ def run(objects: int, rounds: int) -> dict[str, Any]:
             rows: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
             for round_ in range(rounds):
                 for arm in ARMS if round_ % 2 == 0 else ARMS[::-1]:
-                    rows[arm].append(measure(arm, backend.get_range, versions))
+                    rows[arm].append(measure(arm, backend, versions))
                     print(f"round {round_ + 1}, {arm}: " + ", ".join(
                         f"{k} {v:.3f}" for k, v in rows[arm][-1].items()), flush=True)
     return {"objects": objects, "rounds": rounds, "size": SIZE, "callers": CALLERS,

@@ -330,24 +330,50 @@ def test_head_of_a_missing_key_is_not_found(populated: Populated, key: str) -> N
 BIG = OBJECTS["big.bin"]
 
 
+#: How a GET is made: "backend" is the blocking call (obstore, in a worker thread);
+#: "daemon" is what the mount makes, ObjectStore's, which for s3:// and gs:// is libcurl
+#: on the trio thread (curl_gets.py).
+VIAS = ["backend", "daemon"]
+
+
+def get(backend: Backend, via: str, key: str, version: str, start: int,
+        length: int) -> bytes:
+    if via == "backend":
+        return bytes(backend.get_range(key, version, start, length))
+    store = ObjectStore(backend, max_workers=2, retry=RetryPolicy(1))
+    return bytes(trio.run(store.get_range, key, version, start, length))
+
+
+def test_remote_backends_get_through_libcurl_in_the_daemon(populated: Populated) -> None:
+    fetch = getattr(populated.backend, "async_get_range", None)
+    assert (fetch is not None) == (populated.harness.kind != "file")
+    if fetch is not None:
+        version = populated.backend.head("a.txt").version
+        data = trio.run(fetch, "a.txt", version, 0, 6)
+        assert isinstance(data, memoryview) and bytes(data) == b"alpha\n"
+
+
+@pytest.mark.parametrize("via", VIAS)
 @pytest.mark.parametrize(
     ("start", "length"),
     [(0, 1), (len(BIG) - 1, 1), (0, len(BIG)), (12_345, 54_321), (len(BIG) - 10, 10), (7, 0)],
 )
-def test_get_range(populated: Populated, start: int, length: int) -> None:
+def test_get_range(populated: Populated, start: int, length: int, via: str) -> None:
     version = populated.backend.head("big.bin").version
-    data = populated.backend.get_range("big.bin", version, start, length)
+    data = get(populated.backend, via, "big.bin", version, start, length)
     assert data == BIG[start : start + length]
 
 
-def test_get_every_object_whole(populated: Populated) -> None:
+@pytest.mark.parametrize("via", VIAS)
+def test_get_every_object_whole(populated: Populated, via: str) -> None:
     """Keys with spaces, unicode, '%', '+', '=', '&' and zero-byte objects round-trip."""
     for key, data in OBJECTS.items():
         info = populated.backend.head(key)
-        assert populated.backend.get_range(key, info.version, 0, info.size) == data, key
+        assert get(populated.backend, via, key, info.version, 0, info.size) == data, key
 
 
-def test_stale_version_is_refused(scratch: Harness) -> None:
+@pytest.mark.parametrize("via", VIAS)
+def test_stale_version_is_refused(scratch: Harness, via: str) -> None:
     backend = scratch.backend()
     scratch.put("obj", b"first version")
     old = backend.head("obj").version
@@ -355,12 +381,12 @@ def test_stale_version_is_refused(scratch: Harness) -> None:
     new = backend.head("obj").version
     assert new != old
     with pytest.raises(VersionChanged) as caught:
-        backend.get_range("obj", old, 0, 5)
+        get(backend, via, "obj", old, 0, 5)
     check_message(caught.value, "obj")
-    assert backend.get_range("obj", new, 0, 6) == b"second"
+    assert get(backend, via, "obj", new, 0, 6) == b"second"
     scratch.delete("obj")
     with pytest.raises(VersionChanged):
-        backend.get_range("obj", new, 0, 6)
+        get(backend, via, "obj", new, 0, 6)
 
 
 # --- Access ----------------------------------------------------------------------------
@@ -394,8 +420,11 @@ def test_s3_bad_credentials_are_access_denied_without_leaking_them(
     harness = S3Harness(s3_server, bucket)
     backend = harness.backend(env=env)
     secrets = [s3_server.access_key, s3_server.secret_key, *env.values()]
+    version = s3_server.client().head_object(Bucket=bucket, Key="k")["ETag"].strip('"')
     try:
-        for call in (backend.check_access, lambda: backend.head("k")):
+        for call in (backend.check_access, lambda: backend.head("k"),
+                     lambda: backend.get_range("k", version, 0, 1),
+                     lambda: get(backend, "daemon", "k", version, 0, 1)):
             with pytest.raises(AccessDenied) as caught:
                 call()
             check_message(caught.value, bucket, s3_server.endpoint)
@@ -495,6 +524,8 @@ def proxied(remote: S3Harness | GcsHarness, fault_proxy: Any) -> Proxied:
 def run_op(backend: Backend, op: str, version: str) -> object:
     if op == "get":
         return backend.get_range("one", version, 0, 100_000)
+    if op == "daemon-get":
+        return get(backend, "daemon", "one", version, 0, 100_000)
     if op == "head":
         return backend.head("one")
     return backend.list_page("", None, None, 1000)
@@ -503,7 +534,7 @@ def run_op(backend: Backend, op: str, version: str) -> object:
 # A HEAD response has no body to cut, so "truncate" applies to GET and LIST only.
 @pytest.mark.parametrize(
     ("op", "action"),
-    [(op, action) for op in ("get", "head", "list")
+    [(op, action) for op in ("get", "daemon-get", "head", "list")
      for action in ("status:503", "status:500", "drop", "truncate", "delay:2")
      if (op, action) != ("head", "truncate")],
 )
@@ -524,14 +555,15 @@ def test_faults_are_transient(proxied: Proxied, op: str, action: str) -> None:
         assert server.secret_key not in str(caught.value)
         assert server.access_key not in str(caught.value)
     result = run_op(proxied.backend, op, version)
-    if op == "get":
-        assert result == BIG[:100_000]
+    if op in ("get", "daemon-get"):
+        assert bytes(result) == BIG[:100_000]
 
 
 def test_zero_length_read_sends_no_request(proxied: Proxied) -> None:
     version = proxied.backend.head("one").version
     before = len(proxied.proxy.requests)
     assert proxied.backend.get_range("one", version, 50, 0) == b""
+    assert get(proxied.backend, "daemon", "one", version, 50, 0) == b""
     assert len(proxied.proxy.requests) == before
 
 

@@ -15,11 +15,14 @@ def test_every_arm_is_measured_in_cpu_and_context_switches(tmp_path, capsys):
     for arm, row in saved["arms"].items():
         assert len(row["cpu_ms_per_call"]["rounds"]) == 2
         assert row["cpu_ms_per_call"]["median"] > 0, arm
-        # Every arm hands work between threads or waits on the network: it blocks.
-        assert row["voluntary_switches_per_call"]["median"] > 0.5, arm
+        # Every arm waits on the network; all but libcurl's also hand work between
+        # threads, which blocks at least once per call.
+        floor = 0 if arm == "libcurl on the trio thread" else 0.5
+        assert row["voluntary_switches_per_call"]["median"] > floor, arm
         assert row["calls_per_s"]["median"] > 0, arm
     out = capsys.readouterr().out
     assert "| through in_worker |" in out and "| plain threads |" in out
+    assert "| libcurl on the trio thread |" in out
 
 
 def test_the_server_credentials_do_not_stay_in_the_environment(tmp_path, monkeypatch):

@@ -160,9 +160,9 @@ def test_changed_object_is_never_served_mixed(remote, tmp_path, request):
 
 
 def test_worker_threads_never_preempt_the_fuse_thread(mount):
-    """The daemon's worker threads, and the tokio threads obstore starts from them, run
-    under SCHED_BATCH; the thread serving FUSE requests keeps the default policy
-    (bucketfs/workers.py says why)."""
+    """The daemon's worker threads run under SCHED_BATCH; the thread serving FUSE
+    requests keeps the default policy (bucketfs/workers.py says why). A read starts no
+    obstore runtime (tokio threads): its GET is libcurl's, on that thread."""
     assert (mount / "train/cls1/img0.jpg").read_bytes() == OBJECTS["data/train/cls1/img0.jpg"]
     pid = daemon_pid(mount)
     policies: dict[str, set[int]] = {}
@@ -172,4 +172,4 @@ def test_worker_threads_never_preempt_the_fuse_thread(mount):
         policies.setdefault(kind, set()).add(os.sched_getscheduler(int(tid)))
     assert policies["fuse"] == {os.SCHED_OTHER}
     assert policies["Trio thread"] == {os.SCHED_BATCH}
-    assert policies["tokio-rt-worker"] == {os.SCHED_BATCH}
+    assert not any(kind.startswith("tokio") for kind in policies), policies

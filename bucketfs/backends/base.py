@@ -72,7 +72,11 @@ RETRYABLE: tuple[type[BackendError], ...] = (TransientError, Unreachable)
 
 
 class Backend(Protocol):
-    """What the mount needs from an object store. All methods block; all are thread-safe."""
+    """What the mount needs from an object store. All methods block; all are thread-safe.
+
+    A backend may also have `async_get_range`: `get_range`'s contract as a coroutine
+    that runs on the trio thread (s3 and gs: libcurl, curl_gets.py), or None.
+    `ObjectStore` prefers it to a worker thread."""
 
     #: The URL the user gave, without credentials, for messages.
     url: str

@@ -1,4 +1,6 @@
-"""Ranged GETs through obstore (the Rust object_store), for the S3 and GCS backends.
+"""Blocking ranged GETs through obstore (the Rust object_store), for the S3 and GCS
+backends: a caller outside trio (the conformance tests) and an S3 Express bucket. The
+daemon's own GETs go through libcurl on the trio thread (curl_multi.py, curl_gets.py).
 
 Why not the SDKs: a 100 KB GET costs the reading process about 1.2 ms of CPU through
 boto3 and 0.2 ms through obstore (bench/dataplane.py, docs/BENCHMARKS.md), and a GiB
@@ -34,7 +36,7 @@ from bucketfs.backends.base import (
     TransientError,
     VersionChanged,
 )
-from bucketfs.backends.common import TRANSIENT_STATUS, one_line
+from bucketfs.backends.common import one_line, pinned_get_status
 from bucketfs.backends.settings import BackendSettings
 
 _STATUS = re.compile(r"status code: (\d{3})")
@@ -108,16 +110,6 @@ def classify(exc: Exception) -> tuple[type[BackendError], str]:
         return AccessDenied, f"access denied ({text})"
     match = _STATUS.search(text)
     if match is not None:
-        status = int(match.group(1))
-        detail = f"HTTP {status}"
-        if status == 404:
-            return VersionChanged, f"object version is gone ({detail})"
-        if status == 412:
-            return VersionChanged, f"object changed ({detail})"
-        if status in (401, 403):
-            return AccessDenied, f"access denied ({detail})"
-        if status in TRANSIENT_STATUS:
-            return TransientError, f"temporary failure ({detail})"
-        return BackendError, f"request failed ({detail})"
+        return pinned_get_status(int(match.group(1)))
     # No status: the connection failed, timed out, or the body was cut short.
     return TransientError, f"connection failed ({text})"

@@ -1,7 +1,8 @@
 """gs:// backend: google-cloud-storage for credentials, listings, HEADs and errors;
-ranged GETs through obstore (fastget.py says why), with the same credentials.
+the daemon's ranged GETs through libcurl on the trio thread (curl_multi.py says why),
+the blocking ones through obstore (fastget.py), with the same credentials.
 
-Every SDK call passes retry=None and obstore's retries are off:
+Every SDK call passes retry=None, and obstore's retries are off (libcurl has none):
 `bucketfs.backends.retry` is the only place that retries, so every attempt here is
 exactly one HTTP request. With STORAGE_EMULATOR_HOST set both talk to that emulator,
 anonymously (obstore through its XML API: the emulator must answer for its host).
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any, NoReturn
+from urllib.parse import quote
 
 import google.auth
 import requests
@@ -43,6 +46,13 @@ from bucketfs.backends.common import (
     public_endpoint,
     retry_after,
 )
+from bucketfs.backends.curl_gets import (
+    BearerToken,
+    CurlRangedGets,
+    Unsigned,
+    object_path,
+)
+from bucketfs.backends.curl_multi import CurlSettings, ca_file
 from bucketfs.backends.fastget import RETRY_CONFIG, RangedGets, client_options
 from bucketfs.backends.settings import BackendSettings
 
@@ -87,6 +97,22 @@ def _fast_store(bucket: str, api_endpoint: str, credentials: Credentials,
     return GCSStore(bucket, **options)
 
 
+def _curl_gets(bucket: str, api_endpoint: str, credentials: Credentials,
+               settings: BackendSettings, where: Callable[[str], str]) -> CurlRangedGets:
+    """The daemon's GETs through libcurl (curl_gets.py): the XML API, as obstore's
+    (`{endpoint}/{bucket}/{object}?generation=N`, the answer's x-goog-generation)."""
+    base = f"{api_endpoint.rstrip('/')}/{quote(bucket, safe='')}"
+    signer = (Unsigned() if isinstance(credentials, AnonymousCredentials)
+              else BearerToken(credentials))
+    return CurlRangedGets(
+        CurlSettings(settings.max_connections, settings.connect_timeout,
+                     settings.read_timeout, ca_file(os.environ.get("REQUESTS_CA_BUNDLE"))),
+        signer,
+        # Naming the generation makes GCS answer 404 once it is gone.
+        url_of=lambda key, version: f"{base}/{object_path(key)}?generation={version}",
+        pinned=lambda version: [], answered_header="x-goog-generation", where=where)
+
+
 class GcsBackend:
     def __init__(self, bucket: str, settings: BackendSettings) -> None:
         self.bucket = bucket
@@ -114,8 +140,14 @@ class GcsBackend:
             # own generation (x-goog-generation) is checked as well.
             pinned=lambda version: {"version": version},
             answered=lambda meta: None if meta.get("version") is None else str(meta["version"]))
+        self._curl_gets = _curl_gets(
+            bucket, self._client.api_endpoint, credentials, settings,
+            where=lambda key: f"{self._where(key)} via {self.endpoint}")
+        #: The daemon's GETs: a coroutine on the trio thread (ObjectStore prefers it).
+        self.async_get_range = self._curl_gets.get_range
 
     def close(self) -> None:
+        self._curl_gets.close()
         self._client.close()
 
     def check_access(self) -> None:

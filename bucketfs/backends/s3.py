@@ -1,5 +1,6 @@
-"""s3:// backend: boto3 for credentials, listings, HEADs and errors; ranged GETs through
-obstore (fastget.py says why), signed with the credentials boto3's chain found.
+"""s3:// backend: boto3 for credentials, listings, HEADs and errors; the daemon's ranged
+GETs through libcurl on the trio thread (curl_multi.py says why), the blocking ones
+through obstore (fastget.py), both signed with the credentials boto3's chain found.
 
 Credentials, region and endpoint come from the SDK's standard chain unless the settings
 name them. Neither SDK retries: `bucketfs.backends.retry` is the only place that
@@ -8,6 +9,8 @@ retries, so every attempt here is exactly one HTTP request.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
@@ -46,6 +49,8 @@ from bucketfs.backends.common import (
     public_endpoint,
     retry_after,
 )
+from bucketfs.backends.curl_gets import CurlRangedGets, SigV4, Unsigned, object_path
+from bucketfs.backends.curl_multi import CurlSettings, ca_file
 from bucketfs.backends.fastget import RETRY_CONFIG, RangedGets, client_options
 from bucketfs.backends.settings import BackendSettings
 
@@ -110,6 +115,33 @@ def _fast_store(bucket: str, client: Any, session: boto3.session.Session,
     return S3Store(bucket, **options)
 
 
+def _curl_gets(bucket: str, client: Any, session: boto3.session.Session,
+               settings: BackendSettings, where: Callable[[str], str],
+               ) -> CurlRangedGets | None:
+    """The daemon's GETs through libcurl (curl_gets.py), reaching the bucket as
+    `_fast_store` does; None for an S3 Express bucket, whose session credentials only
+    obstore fetches."""
+    if bucket.endswith("--x-s3"):
+        return None
+    endpoint = client.meta.endpoint_url
+    parts = urlsplit(endpoint)
+    aws = parts.hostname.endswith(".amazonaws.com")  # type: ignore[union-attr]
+    # A dotted name in a virtual host would not match the TLS certificate: path style.
+    virtual = settings.addressing_style == "virtual" or (
+        settings.addressing_style == "auto" and aws and "." not in bucket)
+    base = (urlunsplit(parts._replace(netloc=f"{bucket}.{parts.netloc}")) if virtual
+            else f"{endpoint.rstrip('/')}/{bucket}").rstrip("/")
+    credentials = session.get_credentials()
+    signer = Unsigned() if credentials is None else SigV4(
+        credentials, client.meta.region_name or "us-east-1")
+    return CurlRangedGets(
+        CurlSettings(settings.max_connections, settings.connect_timeout,
+                     settings.read_timeout, ca_file(os.environ.get("AWS_CA_BUNDLE"))),
+        signer, url_of=lambda key, version: f"{base}/{object_path(key)}",
+        pinned=lambda version: [f'If-Match: "{version}"'], answered_header="etag",
+        where=where)
+
+
 def _open_client(settings: BackendSettings, where: str, config: Config | None = None,
                  ) -> tuple[boto3.session.Session, Any]:
     """A boto3 session (the profile's credential chain) and its S3 client; what fails
@@ -160,8 +192,16 @@ class S3Backend:
             where=lambda key: f"{self._where(key)} via {self.endpoint}",
             pinned=lambda version: {"if_match": f'"{version}"'},
             answered=lambda meta: None if meta.get("e_tag") is None else _etag(meta["e_tag"]))
+        self._curl_gets = _curl_gets(
+            bucket, self._client, session, settings,
+            where=lambda key: f"{self._where(key)} via {self.endpoint}")
+        #: The daemon's GETs: a coroutine on the trio thread (ObjectStore prefers it).
+        self.async_get_range = (None if self._curl_gets is None
+                                else self._curl_gets.get_range)
 
     def close(self) -> None:
+        if self._curl_gets is not None:
+            self._curl_gets.close()
         self._client.close()
 
     def check_access(self) -> None:

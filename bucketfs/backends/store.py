@@ -1,8 +1,9 @@
-"""The async face of a blocking backend.
+"""The async face of a backend.
 
-Every SDK call runs in a worker thread; a CapacityLimiter bounds how many run at
-once (and so how many connections and response buffers exist). Each call goes
-through the one retry policy.
+Every SDK call runs in a worker thread, except a GET from a backend with an
+`async_get_range` (libcurl on the trio thread: curl_multi.py says why); one
+CapacityLimiter bounds how many of either run at once (and so how many connections and
+response buffers exist). Each call goes through the one retry policy.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import bisect
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
@@ -90,10 +91,31 @@ class ObjectStore:
                 if took:  # empty if cancelled while waiting for a slot
                     histogram.observe(took[0])
 
-        def count_retry() -> None:
-            self.counts.retries += 1
+        return await call_with_retries(self.retry, what, attempt, self._count_retry)
 
-        return await call_with_retries(self.retry, what, attempt, count_retry)
+    async def _run_async(self, what: str, fetch: Callable[[], Awaitable[T]]) -> T:
+        """A GET made on the trio thread (the backend's `async_get_range`), in a slot of
+        the same limiter, through the same retry policy."""
+        histogram = self.latency["get"]
+        slot = object()
+
+        async def attempt() -> T:
+            self.counts.get += 1
+            try:
+                self.limiter.acquire_on_behalf_of_nowait(slot)
+            except trio.WouldBlock:
+                await self.limiter.acquire_on_behalf_of(slot)
+            began = time.monotonic()
+            try:
+                return await fetch()
+            finally:
+                histogram.observe(time.monotonic() - began)
+                self.limiter.release_on_behalf_of(slot)
+
+        return await call_with_retries(self.retry, what, attempt, self._count_retry)
+
+    def _count_retry(self) -> None:
+        self.counts.retries += 1
 
     async def check_access(self) -> None:
         await self._run(f"checking {self.backend.url}", "list", self.backend.check_access)
@@ -118,10 +140,14 @@ class ObjectStore:
         return await self._run(f"HEAD {key!r}", "head", functools.partial(self.backend.head, key))
 
     async def get_range(self, key: str, version: str, start: int, length: int) -> bytes:
-        data = await self._run(
-            f"GET {key!r} [{start}, {start + length})",
-            "get",
-            functools.partial(self.backend.get_range, key, version, start, length),
-        )
+        what = f"GET {key!r} [{start}, {start + length})"
+        fetch = getattr(self.backend, "async_get_range", None)
+        if fetch is not None:
+            data = await self._run_async(
+                what, functools.partial(fetch, key, version, start, length))
+        else:
+            data = await self._run(
+                what, "get",
+                functools.partial(self.backend.get_range, key, version, start, length))
         self.counts.bytes_fetched += len(data)
         return data

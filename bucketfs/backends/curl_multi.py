@@ -1,0 +1,297 @@
+"""HTTP GETs made by libcurl on the trio thread: pycurl's multi interface, its sockets
+watched by trio.
+
+Why not a worker thread per GET: handing a GET to a worker and its answer back costs two
+wakeups across threads and a wait for the GIL each way, and obstore's runtime adds its
+own threads: ~9 voluntary context switches per 100 KB GET, ~12 through a worker, where
+libcurl's multi interface driven by one thread makes ~0.6, at half the CPU (0.21-0.24
+against 0.38-0.46 ms per GET on the 2-core VM; `python -m bench.worker_hops`,
+docs/BENCHMARKS.md, step 33). On a node with many cores each switch is a wakeup on
+another core, which is where the daemon's worker threads cost 3-5x what two cores
+showed. libcurl does the HTTP in C and pycurl releases the GIL while it does; what is
+left in Python is a few calls per GET and one per piece of body received.
+
+How: the multi handle's sockets go into an epoll set of our own, whose one descriptor
+trio waits on; libcurl's timer is the deadline of that wait. One driver task runs while
+any GET is in flight (a trio system task, started by the first GET, ending when none is
+left); each GET's task waits until the driver hands it the finished transfer. A GET
+whose task is cancelled is taken out of the multi handle at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+import select
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pycurl
+import trio
+
+log = logging.getLogger(__name__)
+
+_EPOLL_OF = {pycurl.POLL_IN: select.EPOLLIN, pycurl.POLL_OUT: select.EPOLLOUT,
+             pycurl.POLL_INOUT: select.EPOLLIN | select.EPOLLOUT}
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One GET. Its body pieces and header lines are appended to lists by libcurl's
+    callbacks: `list.append` itself, a C call, where a Python function per piece and per
+    line cost a quarter of the GET's CPU. libcurl stops a body longer than `length`
+    (MAXFILESIZE): CURLE_FILESIZE_EXCEEDED."""
+
+    url: str
+    headers: list[str]
+    length: int
+    #: Set by the engine:
+    pieces: list[bytes] = field(default_factory=list)
+    header_lines: list[bytes] = field(default_factory=list)
+    status: int = 0
+    #: libcurl's error code and message; 0 and "" when the transfer completed.
+    error: int = 0
+    message: str = ""
+    _task: trio.lowlevel.Task | None = None
+
+    def take_body(self) -> bytes:
+        """The body, once: the pieces are let go (the handle, kept for the next GET,
+        still refers to the list)."""
+        pieces = self.pieces
+        body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        return body
+
+    def received(self) -> int:
+        return sum(map(len, self.pieces))
+
+    def header(self, pattern: re.Pattern[bytes]) -> str | None:
+        """The value of a response header, by a pattern from `header_pattern`; None if
+        the response had none. (One search of the joined lines: a Python loop over
+        them cost 7% of a GET. A GET without redirects has one response.)"""
+        found = pattern.search(b"".join(self.header_lines))
+        return None if found is None else found[1].decode("latin-1")
+
+
+def header_pattern(name: str) -> re.Pattern[bytes]:
+    """What `Transfer.header` looks for: the named header (any case), its value trimmed."""
+    return re.compile(rb"^" + re.escape(name.encode()) + rb":[ \t]*(.*?)[ \t]*\r?$",
+                      re.IGNORECASE | re.MULTILINE)
+
+
+@dataclass(frozen=True, slots=True)
+class CurlSettings:
+    connections: int = 16
+    connect_timeout: float = 10.0
+    #: A transfer that receives nothing for this long fails.
+    read_timeout: float = 30.0
+    #: CA bundle for HTTPS (None: libcurl's default).
+    ca_file: str | None = None
+
+
+def ca_file(named: str | None) -> str | None:
+    """The CA bundle for HTTPS: the one named (AWS_CA_BUNDLE, REQUESTS_CA_BUNDLE, as
+    the SDKs read it), else certifi's, as the SDKs use; None leaves libcurl's own."""
+    if named:
+        return named
+    try:
+        import certifi
+    except ImportError:
+        return None
+    return certifi.where()
+
+
+class TrioCurl:
+    """GETs through one libcurl multi handle, on the trio thread (see the module's doc).
+    At most `connections` connections to a host, kept alive between GETs."""
+
+    def __init__(self, settings: CurlSettings) -> None:
+        self.settings = settings
+        self._multi = pycurl.CurlMulti()
+        self._multi.setopt(pycurl.M_SOCKETFUNCTION, self._watch)
+        self._multi.setopt(pycurl.M_TIMERFUNCTION, self._set_timer)
+        self._multi.setopt(pycurl.M_MAX_HOST_CONNECTIONS, settings.connections)
+        self._multi.setopt(pycurl.M_MAXCONNECTS, settings.connections)
+        self._epoll = select.epoll()
+        self._watched: set[int] = set()
+        self._deadline = math.inf
+        self._waiting: trio.CancelScope | None = None
+        self._waiting_until = math.inf
+        self._running: dict[pycurl.Curl, Transfer] = {}
+        self._spare: list[pycurl.Curl] = []
+        self._driving = False
+
+    def close(self) -> None:
+        for curl in list(self._running):
+            self._remove(curl)
+        for curl in self._spare:
+            curl.close()
+        self._spare.clear()
+        self._multi.close()
+        self._epoll.close()
+
+    async def get(self, transfer: Transfer,
+                  prepare: Callable[[pycurl.Curl], None] | None = None) -> Transfer:
+        """Run the GET; the transfer comes back with its status, body and error set.
+        `prepare` sets per-request options (credentials) on the handle."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        curl = self._spare.pop() if self._spare else self._new_handle()
+        curl.setopt(pycurl.URL, transfer.url)
+        curl.setopt(pycurl.HTTPHEADER, transfer.headers)
+        curl.setopt(pycurl.WRITEFUNCTION, transfer.pieces.append)
+        curl.setopt(pycurl.HEADERFUNCTION, transfer.header_lines.append)
+        curl.setopt(pycurl.MAXFILESIZE_LARGE, transfer.length)
+        if prepare is not None:
+            prepare(curl)
+        transfer._task = trio.lowlevel.current_task()
+        self._running[curl] = transfer
+        self._multi.add_handle(curl)
+        if not self._driving:
+            self._driving = True
+            trio.lowlevel.spawn_system_task(self._drive, name="libcurl's GETs")
+        # Start it now (send the request) rather than on the driver's next turn.
+        try:
+            self._act(pycurl.SOCKET_TIMEOUT, 0)
+        except pycurl.error as exc:
+            if self._running.get(curl) is transfer:
+                self._remove(curl)
+            transfer.error, transfer.message = -1, f"libcurl refused the GET: {exc}"
+            return transfer
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            if self._running.get(curl) is transfer:
+                self._remove(curl)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        return transfer
+
+    # --- the driver -------------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        try:
+            while self._running:
+                with trio.CancelScope(deadline=self._deadline) as scope:
+                    self._waiting, self._waiting_until = scope, self._deadline
+                    await trio.lowlevel.wait_readable(self._epoll.fileno())
+                self._waiting = None
+                events = self._epoll.poll(0)
+                if not events or trio.current_time() >= self._deadline:
+                    self._act(pycurl.SOCKET_TIMEOUT, 0)
+                for fd, mask in events:
+                    self._act(fd, _curl_mask(mask))
+        except trio.Cancelled:
+            raise
+        except BaseException as exc:  # never let a system task take the run down
+            log.error("the GET driver failed: %s", exc)
+            self._fail_all(f"GET driver failed: {exc}")
+        finally:
+            self._waiting = None
+            self._driving = False
+            # Cancelled with GETs in flight: the run is ending.
+            self._fail_all("GET driver stopped")
+
+    def _fail_all(self, message: str) -> None:
+        """Fail every GET in flight and wake its task (whatever state libcurl is in)."""
+        for curl, transfer in list(self._running.items()):
+            del self._running[curl]
+            with contextlib.suppress(pycurl.error):
+                self._multi.remove_handle(curl)
+            self._spare.append(curl)
+            transfer.error, transfer.message = -1, message
+            task, transfer._task = transfer._task, None
+            if task is not None:
+                trio.lowlevel.reschedule(task)
+
+    def _act(self, fd: int, mask: int) -> None:
+        """Let libcurl act on a socket (or its timer), then hand out what finished."""
+        self._multi.socket_action(fd, mask)
+        while True:
+            queued, done, failed = self._multi.info_read()
+            for curl in done:
+                self._finish(curl)
+            for curl, code, message in failed:
+                transfer = self._running.get(curl)
+                if transfer is not None:
+                    transfer.error, transfer.message = code, message
+                self._finish(curl)
+            if not queued:
+                return
+
+    def _finish(self, curl: pycurl.Curl) -> None:
+        transfer = self._running.get(curl)
+        if transfer is None:
+            return
+        transfer.status = curl.getinfo(pycurl.RESPONSE_CODE)
+        self._remove(curl)
+        task, transfer._task = transfer._task, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    def _remove(self, curl: pycurl.Curl) -> None:
+        self._running.pop(curl)
+        self._multi.remove_handle(curl)
+        self._spare.append(curl)
+
+    def _new_handle(self) -> pycurl.Curl:
+        curl = pycurl.Curl()
+        settings = self.settings
+        curl.setopt(pycurl.NOSIGNAL, 1)
+        curl.setopt(pycurl.FAILONERROR, 1)  # a 4xx or 5xx is an error, its body unread
+        curl.setopt(pycurl.CONNECTTIMEOUT_MS, int(settings.connect_timeout * 1000))
+        curl.setopt(pycurl.LOW_SPEED_LIMIT, 1)
+        curl.setopt(pycurl.LOW_SPEED_TIME, max(1, math.ceil(settings.read_timeout)))
+        curl.setopt(pycurl.BUFFERSIZE, 512 * 1024)
+        curl.setopt(pycurl.PROTOCOLS, pycurl.PROTO_HTTP | pycurl.PROTO_HTTPS)
+        # A connection per GET in flight, as the SDKs and obstore make: HTTP/2 would
+        # put a large object's parallel GETs on one TCP connection.
+        curl.setopt(pycurl.HTTP_VERSION, pycurl.CURL_HTTP_VERSION_1_1)
+        if settings.ca_file is not None:
+            curl.setopt(pycurl.CAINFO, settings.ca_file)
+        return curl
+
+    # --- libcurl's callbacks ----------------------------------------------------------
+
+    def _watch(self, what: int, fd: int, multi: object, socketp: object) -> None:
+        if what == pycurl.POLL_REMOVE:
+            if fd in self._watched:
+                self._watched.discard(fd)
+                with contextlib.suppress(OSError):  # closed already
+                    self._epoll.unregister(fd)
+            return
+        events = _EPOLL_OF.get(what, 0)
+        if fd in self._watched:
+            try:
+                self._epoll.modify(fd, events)
+                return
+            except FileNotFoundError:  # closed and its number reused: watch it afresh
+                pass
+        self._epoll.register(fd, events)
+        self._watched.add(fd)
+
+    def _set_timer(self, timeout_ms: int) -> None:
+        if timeout_ms < 0:
+            # No timer: the waiting driver may wake for nothing at its old deadline,
+            # which costs less than moving a cancel scope's deadline each time.
+            self._deadline = math.inf
+            return
+        try:
+            deadline = trio.current_time() + timeout_ms / 1000
+        except RuntimeError:  # outside trio (closing): no GET is waiting
+            return
+        self._deadline = deadline
+        if self._waiting is not None and deadline < self._waiting_until:
+            self._waiting.deadline = self._waiting_until = deadline
+
+
+def _curl_mask(events: int) -> int:
+    mask = 0
+    if events & select.EPOLLIN:
+        mask |= pycurl.CSELECT_IN
+    if events & select.EPOLLOUT:
+        mask |= pycurl.CSELECT_OUT
+    if events & (select.EPOLLERR | select.EPOLLHUP):
+        mask |= pycurl.CSELECT_ERR
+    return mask

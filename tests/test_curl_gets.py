@@ -1,0 +1,321 @@
+"""libcurl's GETs on the trio thread (bucketfs.backends.curl_multi and curl_gets) against
+a small HTTP server of our own, which can ignore the Range header, stall mid-body or
+answer with an error: what a real store rarely does on demand. The same GETs against
+SeaweedFS and fake-gcs-server are in test_backends.py."""
+
+from __future__ import annotations
+
+import http.server
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pycurl
+import pytest
+import trio
+
+from bucketfs.backends.base import BackendError, TransientError, VersionChanged
+from bucketfs.backends.curl_gets import (
+    CREDENTIALS_CHECK_SECONDS,
+    BearerToken,
+    CurlRangedGets,
+    SigV4,
+    Unsigned,
+)
+from bucketfs.backends.curl_multi import CurlSettings, Transfer, TrioCurl, header_pattern
+
+BODY = bytes(range(256)) * 4000  # 1,024,000 bytes
+VERSION = "v1"
+
+
+@dataclass
+class Behaviour:
+    honour_range: bool = True
+    stall_after: int | None = None  # bytes sent before the server stops sending
+    status: int | None = None  # answer this status instead
+    version: str = VERSION
+    requests: list[str] = field(default_factory=list)
+    release: threading.Event = field(default_factory=threading.Event)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    behaviour: Behaviour
+
+    def do_GET(self) -> None:
+        behaviour = self.server.behaviour  # type: ignore[attr-defined]
+        behaviour.requests.append(self.path)
+        if behaviour.status is not None:
+            self.send_response(behaviour.status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        body, status = BODY, 200
+        match = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        if match and behaviour.honour_range:
+            body, status = BODY[int(match[1]):int(match[2]) + 1], 206
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("ETag", f'"{behaviour.version}"')
+        self.end_headers()
+        if behaviour.stall_after is not None:
+            self.wfile.write(body[:behaviour.stall_after])
+            self.wfile.flush()
+            behaviour.release.wait(10)
+            return
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that gave up (a cancelled GET) resets its connection
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, Behaviour]]:
+    httpd = Server(("127.0.0.1", 0), Handler)
+    httpd.behaviour = Behaviour()  # type: ignore[attr-defined]
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", httpd.behaviour  # type: ignore[attr-defined]
+    httpd.behaviour.release.set()  # type: ignore[attr-defined]
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def gets(endpoint: str, **settings: float) -> CurlRangedGets:
+    return CurlRangedGets(
+        CurlSettings(connections=4, **settings), Unsigned(),  # type: ignore[arg-type]
+        url_of=lambda key, version: f"{endpoint}/{key}",
+        pinned=lambda version: [f'If-Match: "{version}"'], answered_header="etag",
+        where=lambda key: f"test://{key}")
+
+
+@pytest.mark.parametrize(("start", "length"), [(0, 1), (0, len(BODY)), (1000, 99_000),
+                                               (len(BODY) - 7, 7)])
+def test_a_range_comes_back_exact_and_read_only(server, start, length) -> None:
+    endpoint, _ = server
+    client = gets(endpoint)
+    data = trio.run(client.get_range, "obj", VERSION, start, length)
+    client.close()
+    assert bytes(data) == BODY[start:start + length]
+    assert isinstance(data, memoryview) and data.readonly
+
+
+def test_many_gets_at_once_share_a_few_connections(server) -> None:
+    """60 GETs at once through a multi handle allowed 4 connections to the host: each
+    gets its own bytes."""
+    endpoint, behaviour = server
+    client = gets(endpoint)
+    results: dict[int, bytes] = {}
+
+    async def main() -> None:
+        async def one(i: int) -> None:
+            results[i] = bytes(await client.get_range("obj", VERSION, i * 1000, 5000))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(60):
+                nursery.start_soon(one, i)
+
+    trio.run(main)
+    client.close()
+    assert results == {i: BODY[i * 1000:i * 1000 + 5000] for i in range(60)}
+    assert len(behaviour.requests) == 60
+
+
+def test_a_server_ignoring_the_range_is_an_error_not_wrong_bytes(server) -> None:
+    endpoint, behaviour = server
+    behaviour.honour_range = False
+    client = gets(endpoint)
+    with pytest.raises(BackendError, match="more bytes than the range") as caught:
+        trio.run(client.get_range, "obj", VERSION, 10, 100)
+    client.close()
+    assert "test://obj" in str(caught.value)
+
+
+def test_another_version_in_the_answer_is_refused(server) -> None:
+    endpoint, behaviour = server
+    behaviour.version = "v2"
+    client = gets(endpoint)
+    with pytest.raises(VersionChanged, match=r"asked for version v1.*answered with .*v2"):
+        trio.run(client.get_range, "obj", VERSION, 0, 100)
+    client.close()
+
+
+@pytest.mark.parametrize(("status", "kind"), [(503, TransientError), (429, TransientError),
+                                              (412, VersionChanged), (404, VersionChanged),
+                                              (400, BackendError)])
+def test_an_error_status_says_what_it_means(server, status, kind) -> None:
+    endpoint, behaviour = server
+    behaviour.status = status
+    client = gets(endpoint)
+    with pytest.raises(kind, match=f"HTTP {status}"):
+        trio.run(client.get_range, "obj", VERSION, 0, 100)
+    client.close()
+
+
+def test_a_stalled_body_times_out_as_transient(server) -> None:
+    endpoint, behaviour = server
+    behaviour.stall_after = 1000
+    client = gets(endpoint, read_timeout=1)
+    with pytest.raises(TransientError, match="connection failed"):
+        trio.run(client.get_range, "obj", VERSION, 0, 500_000)
+    client.close()
+
+
+def test_a_refused_connection_is_transient() -> None:
+    client = gets("http://127.0.0.1:9")  # discard: nothing listens here
+    with pytest.raises(TransientError, match="curl error 7"):
+        trio.run(client.get_range, "obj", VERSION, 0, 10)
+    client.close()
+
+
+def test_a_cancelled_get_leaves_the_multi_handle_and_the_next_get_works(server) -> None:
+    endpoint, behaviour = server
+    behaviour.stall_after = 1000
+    engine = TrioCurl(CurlSettings(connections=2))
+
+    async def main() -> None:
+        transfer = Transfer(f"{endpoint}/obj", ["Range: bytes=0-499999"], 500_000)
+        with trio.move_on_after(0.5) as scope:
+            await engine.get(transfer)
+        assert scope.cancelled_caught
+        assert not engine._running  # taken out at once, its connection with it
+        behaviour.stall_after = None
+        again = await engine.get(Transfer(f"{endpoint}/obj", ["Range: bytes=0-99"], 100))
+        assert (again.error, again.status, again.take_body()) == (0, 206, BODY[:100])
+        assert again.pieces == []  # let go: the spare handle keeps no body alive
+        assert again.header(header_pattern("ETag")) == '"v1"'
+        assert again.header(header_pattern("x-goog-generation")) is None
+
+    trio.run(main)
+    engine.close()
+
+
+def test_gets_in_two_runs_one_after_the_other(server) -> None:
+    """The driver is a system task of whichever trio run makes GETs: a backend outlives
+    a run (the CLI's checks, then the mount)."""
+    endpoint, _ = server
+    client = gets(endpoint)
+    for _ in range(2):
+        assert bytes(trio.run(client.get_range, "obj", VERSION, 5, 5)) == BODY[5:10]
+    client.close()
+
+
+def test_a_failing_libcurl_call_fails_the_get_not_the_run(server, monkeypatch) -> None:
+    endpoint, _ = server
+    engine = TrioCurl(CurlSettings(connections=2))
+
+    def refuse(*_: object) -> None:
+        raise pycurl.error(8, "out of memory, say")
+
+    monkeypatch.setattr(engine, "_act", refuse)
+
+    async def main() -> Transfer:
+        return await engine.get(Transfer(f"{endpoint}/obj", [], 10))
+
+    try:
+        transfer = trio.run(main)
+    finally:
+        monkeypatch.undo()
+        engine.close()
+    assert transfer.error == -1 and "out of memory" in transfer.message
+
+
+# --- Credentials ------------------------------------------------------------------------
+
+
+class FrozenCredentials:
+    def __init__(self, n: int, token: str | None) -> None:
+        self.access_key, self.secret_key, self.token = f"AK{n}", f"secret{n}", token
+
+
+class CountingCredentials:
+    """botocore's credentials as SigV4 uses them: `get_frozen_credentials` (which may
+    block on the network when a refresh is due)."""
+
+    def __init__(self, token: str | None = None) -> None:
+        self.asked = 0
+        self.token = token
+
+    def get_frozen_credentials(self) -> FrozenCredentials:
+        self.asked += 1
+        time.sleep(0.05)  # as a refresh over the network would
+        return FrozenCredentials(self.asked, self.token)
+
+
+class FakeCurl:
+    def __init__(self) -> None:
+        self.options: dict[int, object] = {}
+
+    def setopt(self, option: int, value: object) -> None:
+        self.options[option] = value
+
+
+def test_sigv4_asks_for_credentials_once_for_many_gets_then_again_when_due():
+    credentials = CountingCredentials(token="session-token")
+    signer = SigV4(credentials, "eu-west-3")
+
+    async def many() -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(10):
+                nursery.start_soon(signer.ready)
+
+    trio.run(many)
+    assert credentials.asked == 1  # the first GETs all waited for the one answer
+    curl, headers = FakeCurl(), ["Range: bytes=0-9"]
+    signer.apply(curl, headers)  # type: ignore[arg-type]
+    assert curl.options[pycurl.AWS_SIGV4] == "aws:amz:eu-west-3:s3"
+    assert (curl.options[pycurl.USERNAME], curl.options[pycurl.PASSWORD]) == ("AK1", "secret1")
+    assert headers == ["Range: bytes=0-9", "x-amz-security-token: session-token"]
+
+    trio.run(many)
+    assert credentials.asked == 1  # within the check interval: not asked again
+    signer._checked -= CREDENTIALS_CHECK_SECONDS + 1  # as if that much time had passed
+    trio.run(many)
+    assert credentials.asked == 2  # due: one GET asked, the others signed meanwhile
+    signer.apply(curl, headers := [])  # type: ignore[arg-type]
+    assert curl.options[pycurl.USERNAME] == "AK2"
+
+
+class ExpiringToken:
+    """google-auth credentials as BearerToken uses them."""
+
+    def __init__(self) -> None:
+        self.token: str | None = None
+        self.refreshed = 0
+
+    @property
+    def valid(self) -> bool:
+        return self.token is not None
+
+    def refresh(self, request: object) -> None:
+        self.refreshed += 1
+        time.sleep(0.05)
+        self.token = f"token-{self.refreshed}"
+
+
+def test_a_bearer_token_is_refreshed_once_when_invalid():
+    credentials = ExpiringToken()
+    signer = BearerToken(credentials)
+
+    async def many() -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(10):
+                nursery.start_soon(signer.ready)
+
+    trio.run(many)
+    assert credentials.refreshed == 1
+    headers: list[str] = []
+    signer.apply(FakeCurl(), headers)  # type: ignore[arg-type]
+    assert headers == ["Authorization: Bearer token-1"]
+    credentials.token = None  # expired
+    trio.run(many)
+    assert credentials.refreshed == 2
