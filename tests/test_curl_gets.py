@@ -1,7 +1,8 @@
 """libcurl's GETs on the trio thread (bucketfs.backends.curl_multi and curl_gets) against
 a small HTTP server of our own, which can ignore the Range header, stall mid-body or
-answer with an error: what a real store rarely does on demand. The same GETs against
-SeaweedFS and fake-gcs-server are in test_backends.py."""
+answer with an error: what a real store rarely does on demand. Also: credentials asked
+for once by many GETs, and the URLs each backend builds (AWS itself is out of reach
+here). The same GETs against SeaweedFS and fake-gcs-server are in test_backends.py."""
 
 from __future__ import annotations
 
@@ -24,7 +25,16 @@ from bucketfs.backends.curl_gets import (
     SigV4,
     Unsigned,
 )
-from bucketfs.backends.curl_multi import CurlSettings, Transfer, TrioCurl, header_pattern
+from bucketfs.backends.curl_multi import (
+    CurlSettings,
+    Transfer,
+    TrioCurl,
+    ca_file,
+    header_pattern,
+)
+from bucketfs.backends.gcs import GcsBackend
+from bucketfs.backends.s3 import S3Backend
+from bucketfs.backends.settings import BackendSettings
 
 BODY = bytes(range(256)) * 4000  # 1,024,000 bytes
 VERSION = "v1"
@@ -319,3 +329,58 @@ def test_a_bearer_token_is_refreshed_once_when_invalid():
     credentials.token = None  # expired
     trio.run(many)
     assert credentials.refreshed == 2
+
+
+# --- Where a GET goes ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("endpoint", "style", "bucket", "url"), [
+    ("http://127.0.0.1:9000", "path", "data", "http://127.0.0.1:9000/data/a%20b/c.jpg"),
+    ("http://127.0.0.1:9000", "virtual", "data", "http://data.127.0.0.1:9000/a%20b/c.jpg"),
+    (None, "auto", "data", "https://data.s3.eu-west-3.amazonaws.com/a%20b/c.jpg"),
+    # A dotted name would not match AWS's wildcard certificate as a virtual host.
+    (None, "auto", "my.data", "https://s3.eu-west-3.amazonaws.com/my.data/a%20b/c.jpg"),
+])
+def test_s3_gets_go_where_the_sdk_would(monkeypatch, endpoint, style, bucket, url):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    backend = S3Backend(bucket, BackendSettings(endpoint_url=endpoint, region="eu-west-3",
+                                                addressing_style=style))
+    try:
+        gets = backend._curl_gets
+        assert gets is not None and isinstance(gets.signer, SigV4)
+        assert gets.url_of("a b/c.jpg", "etag") == url
+        assert gets.pinned("etag") == ['If-Match: "etag"']
+    finally:
+        backend.close()
+
+
+def test_an_s3_express_bucket_keeps_obstore(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    backend = S3Backend("data--usw2-az1--x-s3", BackendSettings(region="us-west-2"))
+    try:
+        assert backend.async_get_range is None  # ObjectStore uses get_range (obstore)
+    finally:
+        backend.close()
+
+
+def test_gcs_gets_name_the_generation(monkeypatch):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:4443")
+    backend = GcsBackend("data", BackendSettings())
+    try:
+        gets = backend._curl_gets
+        assert isinstance(gets.signer, Unsigned)  # an emulator: anonymous
+        assert gets.url_of("ünï/x+y.jpg", "1234") == \
+            "http://127.0.0.1:4443/data/%C3%BCn%C3%AF/x%2By.jpg?generation=1234"
+        assert gets.pinned("1234") == []
+    finally:
+        backend.close()
+
+
+def test_the_ca_bundle_is_the_one_named_else_certifi():
+    import certifi
+
+    assert ca_file("/etc/my-ca.pem") == "/etc/my-ca.pem"
+    assert ca_file(None) == certifi.where()

@@ -3,13 +3,15 @@ watched by trio.
 
 Why not a worker thread per GET: handing a GET to a worker and its answer back costs two
 wakeups across threads and a wait for the GIL each way, and obstore's runtime adds its
-own threads: ~9 voluntary context switches per 100 KB GET, ~12 through a worker, where
-libcurl's multi interface driven by one thread makes ~0.6, at half the CPU (0.21-0.24
-against 0.38-0.46 ms per GET on the 2-core VM; `python -m bench.worker_hops`,
-docs/BENCHMARKS.md, step 33). On a node with many cores each switch is a wakeup on
-another core, which is where the daemon's worker threads cost 3-5x what two cores
-showed. libcurl does the HTTP in C and pycurl releases the GIL while it does; what is
-left in Python is a few calls per GET and one per piece of body received.
+own threads. On the 2-core VM a 100 KB GET through a worker cost 12.2 voluntary context
+switches and 0.62 ms of CPU; made here, 0.23 and 0.44 ms (`python -m bench.worker_hops`);
+a cold file on a mount went from 12.6 switches to 1.1 and from 1.71 to 1.51 ms
+(`python -m bench.compare_trees`; docs/BENCHMARKS.md, step 33). On a node with many
+cores each switch is a wakeup on another core, which is where the daemon's worker
+threads cost 3-5x what two cores showed. libcurl does the HTTP in C; what is left in
+Python is a few calls per GET (the body's pieces and the header lines go to
+`list.append`, a C call). The cost: a GET's CPU is spent on the trio thread, whose time
+per file bounds one daemon's rate of cold files.
 
 How: the multi handle's sockets go into an epoll set of our own, whose one descriptor
 trio waits on; libcurl's timer is the deadline of that wait. One driver task runs while
