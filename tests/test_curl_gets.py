@@ -384,3 +384,53 @@ def test_the_ca_bundle_is_the_one_named_else_certifi():
 
     assert ca_file("/etc/my-ca.pem") == "/etc/my-ca.pem"
     assert ca_file(None) == certifi.where()
+
+
+class FailingCredentials(CountingCredentials):
+    """The chain fails when asked again (a refresh that cannot reach STS, say)."""
+
+    def __init__(self, fail_from: int) -> None:
+        super().__init__()
+        self.fail_from = fail_from
+
+    def get_frozen_credentials(self) -> FrozenCredentials:
+        if self.asked + 1 >= self.fail_from:
+            self.asked += 1
+            raise RuntimeError("Connect timeout on endpoint URL: sts")
+        return super().get_frozen_credentials()
+
+
+def test_no_credentials_at_all_is_a_transient_error_naming_the_object(server):
+    endpoint, behaviour = server
+    client = gets(endpoint)
+    client.signer = SigV4(FailingCredentials(fail_from=1), "us-east-1")
+    with pytest.raises(TransientError, match=r"test://obj: cannot get AWS credentials "
+                                             r"\(RuntimeError: Connect timeout"):
+        trio.run(client.get_range, "obj", VERSION, 0, 10)
+    client.close()
+    assert behaviour.requests == []  # nothing unsigned went out
+
+
+def test_a_failed_refresh_signs_with_the_credentials_there_were(caplog):
+    credentials = FailingCredentials(fail_from=2)
+    signer = SigV4(credentials, "us-east-1")
+    trio.run(signer.ready)
+    signer._checked -= CREDENTIALS_CHECK_SECONDS + 1  # a check is due
+    trio.run(signer.ready)  # the refresh fails: no error, the old ones stay
+    curl = FakeCurl()
+    signer.apply(curl, [])  # type: ignore[arg-type]
+    assert (credentials.asked, curl.options[pycurl.USERNAME]) == (2, "AK1")
+    assert "cannot get AWS credentials" in caplog.text
+    assert "secret1" not in caplog.text
+    trio.run(signer.ready)
+    assert credentials.asked == 2  # not asked again until the next check is due
+
+
+class RefusedToken(ExpiringToken):
+    def refresh(self, request: object) -> None:
+        raise RuntimeError("invalid_grant: account not found")
+
+
+def test_a_refused_token_refresh_is_a_transient_error():
+    with pytest.raises(TransientError, match="cannot refresh the Google credentials"):
+        trio.run(BearerToken(RefusedToken()).ready)

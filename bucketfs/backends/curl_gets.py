@@ -11,6 +11,7 @@ refresh minutes before expiry).
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -41,11 +42,13 @@ _UNRESERVED = re.compile(r"[A-Za-z0-9_.~/-]*")
 #: How often credentials are asked again of the SDK (which refreshes them when due).
 CREDENTIALS_CHECK_SECONDS = 30.0
 
+log = logging.getLogger(__name__)
 
 
 class Signer(Protocol):
     async def ready(self) -> None:
-        """Fresh enough credentials at hand (may ask the SDK, in a worker thread)."""
+        """Fresh enough credentials at hand (may ask the SDK, in a worker thread);
+        TransientError if there are none to sign with."""
 
     def apply(self, curl: pycurl.Curl, headers: list[str]) -> None:
         """Sign the request: options on the handle, or headers added."""
@@ -88,8 +91,16 @@ class SigV4:
                 self._asking = False
 
     async def _ask(self) -> None:
-        self._frozen = await in_worker(self._credentials.get_frozen_credentials)
-        self._checked = time.monotonic()
+        try:
+            frozen = await in_worker(self._credentials.get_frozen_credentials)
+        except Exception as exc:  # the chain's errors: files, the network, STS
+            self._checked = time.monotonic()  # asked again at the next check, not at once
+            reason = f"cannot get AWS credentials ({type(exc).__name__}: {one_line(str(exc))})"
+            if self._frozen is None:
+                raise TransientError(reason) from None
+            log.warning("%s; signing with the ones there were", reason)
+            return
+        self._frozen, self._checked = frozen, time.monotonic()
 
     def apply(self, curl: pycurl.Curl, headers: list[str]) -> None:
         frozen = self._frozen
@@ -111,7 +122,12 @@ class BearerToken:
         if not self._credentials.valid:  # none yet, or within minutes of expiry
             async with self._refreshing:
                 if not self._credentials.valid:
-                    await in_worker(self._refresh)
+                    try:
+                        await in_worker(self._refresh)
+                    except Exception as exc:  # google-auth's: refused, or unreachable
+                        raise TransientError(
+                            f"cannot refresh the Google credentials ({type(exc).__name__}: "
+                            f"{one_line(str(exc))})") from None
 
     def _refresh(self) -> None:
         from google.auth.transport.requests import Request
@@ -159,7 +175,10 @@ class CurlRangedGets:
             return b""
         if self._engine is None:
             self._engine = TrioCurl(self.settings)
-        await self.signer.ready()
+        try:
+            await self.signer.ready()
+        except TransientError as exc:
+            raise TransientError(f"{self.where(key)}: {exc}") from None
         headers = [f"Range: bytes={start}-{start + length - 1}", *self.pinned(version)]
         transfer = Transfer(self.url_of(key, version), headers, length)
         await self._engine.get(transfer, lambda curl: self.signer.apply(curl, headers))
