@@ -26,6 +26,7 @@ from bucketfs.backends.curl_gets import (
     Unsigned,
 )
 from bucketfs.backends.curl_multi import (
+    LARGE_BODY,
     CurlSettings,
     Transfer,
     TrioCurl,
@@ -36,7 +37,7 @@ from bucketfs.backends.gcs import GcsBackend
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.backends.settings import BackendSettings
 
-BODY = bytes(range(256)) * 4000  # 1,024,000 bytes
+BODY = bytes(range(256)) * 5000  # 1,280,000 bytes: over LARGE_BODY
 VERSION = "v1"
 
 
@@ -45,6 +46,7 @@ class Behaviour:
     honour_range: bool = True
     stall_after: int | None = None  # bytes sent before the server stops sending
     status: int | None = None  # answer this status instead
+    no_length: bool = False  # no Content-Length: the body ends when the connection does
     version: str = VERSION
     requests: list[str] = field(default_factory=list)
     release: threading.Event = field(default_factory=threading.Event)
@@ -67,7 +69,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if match and behaviour.honour_range:
             body, status = BODY[int(match[1]):int(match[2]) + 1], 206
         self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
+        if behaviour.no_length:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(len(body)))
         self.send_header("ETag", f'"{behaviour.version}"')
         self.end_headers()
         if behaviour.stall_after is not None:
@@ -109,7 +115,7 @@ def gets(endpoint: str, **settings: float) -> CurlRangedGets:
 
 
 @pytest.mark.parametrize(("start", "length"), [(0, 1), (0, len(BODY)), (1000, 99_000),
-                                               (len(BODY) - 7, 7)])
+                                               (len(BODY) - 7, 7), (5, LARGE_BODY + 3)])
 def test_a_range_comes_back_exact_and_read_only(server, start, length) -> None:
     endpoint, _ = server
     client = gets(endpoint)
@@ -148,6 +154,18 @@ def test_a_server_ignoring_the_range_is_an_error_not_wrong_bytes(server) -> None
         trio.run(client.get_range, "obj", VERSION, 10, 100)
     client.close()
     assert "test://obj" in str(caught.value)
+
+
+@pytest.mark.parametrize("length", [100, LARGE_BODY])
+def test_a_body_of_unknown_length_longer_than_asked_is_an_error(server, length) -> None:
+    """Without a Content-Length libcurl cannot refuse it up front: the list of pieces
+    (a small body) or the buffer (a large one) must stop it."""
+    endpoint, behaviour = server
+    behaviour.honour_range, behaviour.no_length = False, True
+    client = gets(endpoint)
+    with pytest.raises(BackendError, match="more bytes than the range"):
+        trio.run(client.get_range, "obj", VERSION, 0, length)
+    client.close()
 
 
 def test_another_version_in_the_answer_is_refused(server) -> None:

@@ -198,7 +198,7 @@ class CurlRangedGets:
         if len(data) != length:
             raise TransientError(f"{self.where(key)}: short read, {len(data)} of {length} "
                                  f"bytes at offset {start}")
-        return memoryview(data)
+        return memoryview(data).toreadonly()
 
     def _raise(self, key: str, transfer: Transfer) -> NoReturn:
         kind, reason = classify(transfer)
@@ -212,7 +212,7 @@ class CurlRangedGets:
 
 def classify(transfer: Transfer) -> tuple[type[BackendError], str]:
     """What a failed GET of a pinned version means (as fastget.classify for obstore)."""
-    if transfer.error == pycurl.E_FILESIZE_EXCEEDED:
+    if transfer.error in (pycurl.E_FILESIZE_EXCEEDED, pycurl.E_WRITE_ERROR):
         return BackendError, ("the store sent more bytes than the range asked for "
                               "(it ignored the Range header)")
     if transfer.error == pycurl.E_HTTP_RETURNED_ERROR and transfer.status:

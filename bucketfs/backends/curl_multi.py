@@ -35,16 +35,23 @@ import trio
 
 log = logging.getLogger(__name__)
 
+#: A body this large or larger is copied into place as it arrives (Transfer says why).
+LARGE_BODY = 1024 * 1024
 _EPOLL_OF = {pycurl.POLL_IN: select.EPOLLIN, pycurl.POLL_OUT: select.EPOLLOUT,
              pycurl.POLL_INOUT: select.EPOLLIN | select.EPOLLOUT}
 
 
 @dataclass(slots=True)
 class Transfer:
-    """One GET. Its body pieces and header lines are appended to lists by libcurl's
-    callbacks: `list.append` itself, a C call, where a Python function per piece and per
-    line cost a quarter of the GET's CPU. libcurl stops a body longer than `length`
-    (MAXFILESIZE): CURLE_FILESIZE_EXCEEDED."""
+    """One GET. Its header lines, and a small body's pieces, are appended to lists by
+    libcurl's callbacks: `list.append` itself, a C call, where a Python function per
+    piece and per line cost a quarter of a 100 KB GET's CPU. A body from LARGE_BODY on
+    is copied into a buffer of its length as its pieces (up to 512 KiB) arrive: joined
+    at the end, a 4 MiB body held the trio thread, and the FUSE replies waiting on it,
+    for ~1 ms, and the near link's sequential read of large files ran 8% slower
+    (docs/BENCHMARKS.md, step 34). libcurl stops a body longer than `length`
+    (MAXFILESIZE, CURLE_FILESIZE_EXCEEDED), and so does a buffer that would overflow
+    (CURLE_WRITE_ERROR)."""
 
     url: str
     headers: list[str]
@@ -57,17 +64,28 @@ class Transfer:
     error: int = 0
     message: str = ""
     _task: trio.lowlevel.Task | None = None
+    _buffer: bytearray | None = None
+    _view: memoryview | None = None
+    _filled: int = 0
 
-    def take_body(self) -> bytes:
+    def take_body(self) -> bytes | bytearray:
         """The body, once: the pieces are let go (the handle, kept for the next GET,
         still refers to the list)."""
+        if self._buffer is not None:
+            body, self._buffer, self._view = self._buffer, None, None
+            return body if self._filled == len(body) else body[:self._filled]
         pieces = self.pieces
         body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         pieces.clear()
         return body
 
-    def received(self) -> int:
-        return sum(map(len, self.pieces))
+    def _fill(self, data: bytes) -> int | None:
+        end = self._filled + len(data)
+        if end > self.length:
+            return 0  # more than the range asked for: libcurl stops the transfer
+        self._view[self._filled:end] = data  # type: ignore[index]
+        self._filled = end
+        return None
 
     def header(self, pattern: re.Pattern[bytes]) -> str | None:
         """The value of a response header, by a pattern from `header_pattern`; None if
@@ -142,7 +160,12 @@ class TrioCurl:
         curl = self._spare.pop() if self._spare else self._new_handle()
         curl.setopt(pycurl.URL, transfer.url)
         curl.setopt(pycurl.HTTPHEADER, transfer.headers)
-        curl.setopt(pycurl.WRITEFUNCTION, transfer.pieces.append)
+        if transfer.length >= LARGE_BODY:
+            transfer._buffer = bytearray(transfer.length)
+            transfer._view = memoryview(transfer._buffer)
+            curl.setopt(pycurl.WRITEFUNCTION, transfer._fill)
+        else:
+            curl.setopt(pycurl.WRITEFUNCTION, transfer.pieces.append)
         curl.setopt(pycurl.HEADERFUNCTION, transfer.header_lines.append)
         curl.setopt(pycurl.MAXFILESIZE_LARGE, transfer.length)
         if prepare is not None:
