@@ -78,14 +78,8 @@ async def in_worker(fn: Callable[..., T], *args: object,
     cancellation takes effect at its next checkpoint."""
     if limiter is None:
         limiter = trio.to_thread.current_default_thread_limiter()
-    slot = object()  # a borrower per call, so one task may wait on several calls
-    # A free slot is taken without the scheduling round trip `acquire_on_behalf_of`
-    # makes even then (a cancelled task still stops here, before its call starts).
     await trio.lowlevel.checkpoint_if_cancelled()
-    try:
-        limiter.acquire_on_behalf_of_nowait(slot)
-    except trio.WouldBlock:
-        await limiter.acquire_on_behalf_of(slot)
+    slot = await take_slot(limiter)
     try:
         task = trio.lowlevel.current_task()
         token = trio.lowlevel.current_trio_token()
@@ -97,6 +91,18 @@ async def in_worker(fn: Callable[..., T], *args: object,
         return await trio.lowlevel.wait_task_rescheduled(_wait_for_the_thread)  # type: ignore[no-any-return]
     finally:
         limiter.release_on_behalf_of(slot)
+
+
+async def take_slot(limiter: trio.CapacityLimiter) -> object:
+    """A slot of `limiter` for one call (a borrower per call, so one task may wait on
+    several calls); release it with `limiter.release_on_behalf_of(slot)`. A free slot is
+    taken without the scheduling round trip `acquire_on_behalf_of` makes even then."""
+    slot = object()
+    try:
+        limiter.acquire_on_behalf_of_nowait(slot)
+    except trio.WouldBlock:
+        await limiter.acquire_on_behalf_of(slot)
+    return slot
 
 
 def _wait_for_the_thread(_: object) -> trio.lowlevel.Abort:

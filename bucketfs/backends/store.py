@@ -19,7 +19,7 @@ import trio
 
 from bucketfs.backends.base import Backend, ListPage, ObjectInfo
 from bucketfs.backends.retry import RetryPolicy, call_with_retries
-from bucketfs.workers import in_worker
+from bucketfs.workers import in_worker, take_slot
 
 T = TypeVar("T")
 
@@ -67,6 +67,8 @@ class ObjectStore:
         self.retry = retry
         self.page_size = page_size
         self.limiter = trio.CapacityLimiter(max_workers)
+        #: The backend's GET on the trio thread, preferred where it has one (base.py).
+        self._async_get_range = getattr(backend, "async_get_range", None)
         self.counts = RequestCounts()
         #: Time of each attempt by kind, in the worker thread: waiting for a slot excluded.
         self.latency = {kind: LatencyHistogram() for kind in ("get", "head", "list")}
@@ -97,14 +99,10 @@ class ObjectStore:
         """A GET made on the trio thread (the backend's `async_get_range`), in a slot of
         the same limiter, through the same retry policy."""
         histogram = self.latency["get"]
-        slot = object()
 
         async def attempt() -> T:
             self.counts.get += 1
-            try:
-                self.limiter.acquire_on_behalf_of_nowait(slot)
-            except trio.WouldBlock:
-                await self.limiter.acquire_on_behalf_of(slot)
+            slot = await take_slot(self.limiter)
             began = time.monotonic()
             try:
                 return await fetch()
@@ -141,7 +139,7 @@ class ObjectStore:
 
     async def get_range(self, key: str, version: str, start: int, length: int) -> bytes:
         what = f"GET {key!r} [{start}, {start + length})"
-        fetch = getattr(self.backend, "async_get_range", None)
+        fetch = self._async_get_range
         if fetch is not None:
             data = await self._run_async(
                 what, functools.partial(fetch, key, version, start, length))
