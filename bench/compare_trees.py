@@ -1,6 +1,7 @@
 """What a change does to the daemon's CPU per file, against another revision, on a mount:
 
     python -m bench.compare_trees REV [--rounds 10] [--files 2000] [--out DIR]
+    python -m bench.compare_trees REV --large-mib 1024 [--rounds 4]
 
 A shared VM's speed drifts by tens of percent from one minute to the next, more than
 most single changes move the daemon's CPU, so the two trees run in alternation (this
@@ -24,8 +25,14 @@ part of REV's daemon is imported from this checkout. Each round and tree mounts 
 For each: the daemon's CPU per file (/proc/PID/stat, all threads), its event loop's
 share (the main thread) and its voluntary context switches per file (all live threads:
 the hand-offs a node with many cores pays most for), medians over the rounds, each
-round's figure kept. Needs root
-(FUSE, drop_caches). Results: JSON and a Markdown table under --out.
+round's figure kept.
+
+With --large-mib, the large-object read instead: one object of that size, read cold
+with `dd bs=4M` (fresh memory touched first, as bench.dataplane's row) through a 2 GiB
+RAM tier and through one a quarter of the object's size (each block evicts one, as a
+dataset larger than the RAM budget reads): MB/s and the daemon's CPU-s per GiB.
+
+Needs root (FUSE, drop_caches). Results: JSON and a Markdown table under --out.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.dataplane import Mount, drop_page_cache, make_dataset
+from bench.dataplane import Mount, back_memory, drop_page_cache, make_dataset
 from bench.harness.saving import save_results
 from bench.harness.tree import ROOT
 from tests.servers import S3Server
@@ -50,6 +57,11 @@ PASSES = ("cold", "warm, RAM tier", "warm, RAM tier, names listed", "warm, page 
           "warm, SSD tier (remounted)", "cold, the order sent first")
 READERS = 16
 MEASURES = ("cpu_ms_per_file", "loop_ms_per_file", "switches_per_file")
+LARGE_MEASURES = ("mb_per_s", "cpu_s_per_gib")
+
+
+def large_passes(large_mib: int) -> tuple[str, ...]:
+    return ("cold, RAM tier 2GiB", f"cold, RAM tier {max(64, large_mib // 4)}MiB")
 
 
 @contextlib.contextmanager
@@ -97,29 +109,69 @@ def one_round(server: S3Server, work: Path, tree: Path, relpaths: list[str],
             for name, row in passes.items()}
 
 
-def compare(rev: str, rounds: int, files: int) -> dict[str, Any]:
+def large_round(server: S3Server, work: Path, tree: Path, key: str, large_mib: int,
+                ) -> dict[str, dict[str, float]]:
+    rows = {}
+    for name in large_passes(large_mib):
+        cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
+        args = ["--ram-cache", name.rpartition(" ")[2], "--metadata-ttl", "forever",
+                "--cache-dir", str(cache)]
+        try:
+            with Mount(server, work / "large", args, prefix="large", tree=tree) as mount:
+                drop_page_cache()
+                back_memory(3 * -(-large_mib // 1024) + 1)
+                row = mount.dd(key.removeprefix("large/"))
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+        rows[name] = {measure: row[measure] for measure in LARGE_MEASURES}
+    return rows
+
+
+def compare(rev: str, rounds: int, files: int, large_mib: int = 0) -> dict[str, Any]:
     runs: dict[str, list[dict[str, dict[str, float]]]] = {"this tree": [], rev: []}
+    passes, measures = (large_passes(large_mib), LARGE_MEASURES) if large_mib \
+        else (PASSES, MEASURES)
     with S3Server() as server, tempfile.TemporaryDirectory() as scratch, \
             worktree(rev) as other:
-        keys, _ = make_dataset(server, files, 100, 0)
+        keys, large = make_dataset(server, 0 if large_mib else files, 100, large_mib)
         relpaths = [key.removeprefix("train/") for key in keys]
         random.Random(5).shuffle(relpaths)
         trees = [("this tree", ROOT), (rev, other)]
         for round_ in range(rounds):
             for name, tree in trees if round_ % 2 == 0 else trees[::-1]:
-                runs[name].append(one_round(server, Path(scratch), tree, relpaths))
+                runs[name].append(
+                    large_round(server, Path(scratch), tree, large, large_mib) if large_mib
+                    else one_round(server, Path(scratch), tree, relpaths))
                 print(f"round {round_ + 1}, {name}: " + ", ".join(
-                    f"{p} {r['cpu_ms_per_file']:.3f}" for p, r in runs[name][-1].items()),
+                    f"{p} {r[measures[-1]]:.3f}" for p, r in runs[name][-1].items()),
                     flush=True)
     summary = {name: {p: {measure: {"median": statistics.median(r[p][measure] for r in rows),
                                     "rounds": [r[p][measure] for r in rows]}
-                          for measure in MEASURES}
-                      for p in PASSES}
+                          for measure in measures}
+                      for p in passes}
                for name, rows in runs.items()}
-    return {"rev": rev, "rounds": rounds, "files": files, "trees": summary}
+    return {"rev": rev, "rounds": rounds, "files": files, "large_mib": large_mib,
+            "trees": summary}
+
+
+def large_table(results: dict[str, Any]) -> str:
+    rev = results["rev"]
+    trees = results["trees"]
+    lines = [f"| {results['large_mib']} MiB object, dd bs=4M | {rev}: MB/s | this tree: "
+             f"MB/s | {rev}: CPU-s per GiB (rounds) | this tree: CPU-s per GiB (rounds) |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for p in large_passes(results["large_mib"]):
+        cells = [f"{t[p]['mb_per_s']['median']:.0f}" for t in (trees[rev], trees["this tree"])]
+        cells += [f"{t[p]['cpu_s_per_gib']['median']:.2f} ("
+                  + ", ".join(f"{x:.2f}" for x in t[p]['cpu_s_per_gib']['rounds']) + ")"
+                  for t in (trees[rev], trees["this tree"])]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\nMedians of {results['rounds']} interleaved rounds.\n"
 
 
 def table(results: dict[str, Any]) -> str:
+    if results.get("large_mib"):
+        return large_table(results)
     rev = results["rev"]
     trees = results["trees"]
     lines = [f"| pass | {rev}: ms per file (loop) | this tree: ms per file (loop) "
@@ -141,9 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("rev", help="the revision to compare this checkout with")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--files", type=int, default=2000)
+    parser.add_argument("--large-mib", type=int, default=0,
+                        help="compare the cold read of one object this large instead")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    results = compare(args.rev, args.rounds, args.files)
+    results = compare(args.rev, args.rounds, args.files, args.large_mib)
     text = table(results)
     print(text, end="")
     save_results(args.out, "compare-trees", results, text)

@@ -23,8 +23,10 @@ layout and one LARGE_MIB object:
     perf and the kernel's FUSE tracepoints allow (bench/harness/fuse_census.py);
   - a cold sequential read of the large object (dd bs=4M) against 8 parallel 8 MiB
     obstore range GETs: MB/s and CPU-s per GiB; the mount's read twice, as the VM gives
-    memory and right after fresh memory was touched (`back_memory` says why); then
-    again from the SSD tier, its cache directory mounted anew;
+    memory and right after fresh memory was touched (`back_memory` says why); through
+    a RAM tier a quarter of its size (each block evicts one, as a dataset larger than
+    the RAM budget reads); then again from the SSD tier, its cache directory mounted
+    anew;
   - the scale runs: files/s and MB/s one daemon serves with each reader count of
     --scale, cold and warm, with its CPU per file and per GiB;
   - for every pass, the daemon's CPU by thread (/proc/PID/task/*/stat): its event loop
@@ -451,6 +453,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         row["backing_cpu_s"] = back_memory(backing_gib)
                     with Profiler(profile if backed else None, mnt.pid, "large"):
                         large_rows.append(mnt.dd(large.removeprefix("large/")) | row)
+            # A RAM tier a quarter of the object: every block past it evicts one, as a
+            # dataset larger than the RAM budget reads (the evicted blocks' memory is
+            # what the next GETs fill: bucketfs/spare_buffers.py).
+            small_ram = ["--ram-cache", f"{max(64, args.large_mib // 4)}MiB",
+                         "--metadata-ttl", "forever"]
+            with Mount(server, work_dir / "large", [*small_ram, "--cache-dir",
+                       str(work_dir / "cache-large-small-ram")], prefix="large") as mnt:
+                drop_page_cache()
+                row = {"memory_backed_first": True, "small_ram_tier": small_ram[1],
+                       "backing_cpu_s": back_memory(backing_gib)}
+                large_rows.append(mnt.dd(large.removeprefix("large/")) | row)
             # The last cache directory mounted again: every block from the SSD tier, as a
             # later epoch reads a dataset larger than the page cache.
             with Mount(server, work_dir / "large", [*ram, "--cache-dir", str(cache_dir)],
@@ -502,6 +515,8 @@ def report(results: dict[str, Any]) -> str:
             backed = ", memory backed first" if row.get("memory_backed_first") else ""
             if row.get("from_ssd_tier"):
                 backed = ", from the SSD tier (remounted)" + backed
+            if row.get("small_ram_tier"):
+                backed = f", RAM tier {row['small_ram_tier']}" + backed
             lines.append(f"| {row['reader']}{backed} | {row['mb_per_s']:.0f} "
                          f"| {row['cpu_s_per_gib']:.2f} |")
     lines += ["", "| pass | event loop | worker threads | other threads | files/s one "

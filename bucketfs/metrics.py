@@ -60,6 +60,10 @@ Metrics (labels in braces):
   bucketfs_readahead_prefetches_total         blocks read ahead
   bucketfs_readahead_inflight_bytes           bytes read-ahead has in flight now
   bucketfs_readahead_budget_bytes             most bytes read-ahead may have in flight
+  bucketfs_buffers_reused_total               large GETs given the memory of a block the RAM
+                                              tier let go (spare_buffers.py)
+  bucketfs_buffers_fresh_total                large GETs given fresh memory
+  bucketfs_buffers_spare_bytes                memory of let-go blocks waiting to be reused
   bucketfs_hints_orders_total                 access orders received on the hints socket
   bucketfs_hints_next_orders_total            next epochs' orders announced ahead
   bucketfs_hints_refused_orders_total         orders refused: too many being resolved
@@ -103,6 +107,7 @@ from bucketfs.cache.shared import SharedTier
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import Reader
+from bucketfs.spare_buffers import spare_buffers
 
 #: Where the metrics endpoint listens unless told otherwise: this host only.
 DEFAULT_ADDRESS = "127.0.0.1"
@@ -305,6 +310,17 @@ class MountCollector(Collector):
             PREFIX + "readahead_budget_bytes",
             "Most bytes read-ahead may have in flight across all open files.",
             value=budget.limit)
+        yield CounterMetricFamily(
+            PREFIX + "buffers_reused_total",
+            "Large GETs given the memory of a block the RAM tier let go.",
+            value=spare_buffers.reused)
+        yield CounterMetricFamily(
+            PREFIX + "buffers_fresh_total", "Large GETs given fresh memory.",
+            value=spare_buffers.fresh)
+        yield GaugeMetricFamily(
+            PREFIX + "buffers_spare_bytes",
+            "Memory of blocks let go, waiting to be reused by a GET.",
+            value=spare_buffers.spare_bytes)
 
 
     def _hints(self, prefetch: HintedPrefetch) -> Iterator[Metric]:

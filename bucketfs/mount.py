@@ -71,6 +71,7 @@ from bucketfs.runtime import (
     unmount,
     write_pid,
 )
+from bucketfs.spare_buffers import spare_buffers
 from bucketfs.status import MountStatus, facts_of
 from bucketfs.tasks import describe, start_guarded
 from bucketfs.warm import WarmJobs
@@ -307,6 +308,10 @@ async def _serve_namespace(
                              store, reader, prefetch,
                              WarmJobs(namespace, cache, nursery, connections=connections))
         start_guarded(nursery, "sampling the origin's throughput", status.run)
+        # A read-ahead window's evictions come back together: keep that many spare.
+        spare_buffers.limit = config.readahead_max
+        start_guarded(nursery, "letting spare block buffers go",
+                      spare_buffers.let_go_when_idle)
         if shared is not None:
             start_guarded(nursery, "describing the dataset in the shared tier",
                           shared.announce)

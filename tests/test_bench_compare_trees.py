@@ -38,3 +38,17 @@ def test_the_other_tree_imports_none_of_this_checkout():
             capture_output=True, text=True, check=False)
     assert found.returncode == 0, found.stderr
     assert all(line.startswith(str(tree)) for line in found.stdout.split())
+
+
+def test_the_large_object_read_is_compared_through_both_ram_tiers(tmp_path, capsys):
+    assert compare_trees.main(["HEAD", "--large-mib", "32", "--rounds", "1",
+                               "--out", str(tmp_path)]) == 0
+    saved = json.loads(next(tmp_path.glob("compare-trees-*.json")).read_text())
+    passes = compare_trees.large_passes(32)
+    assert passes == ("cold, RAM tier 2GiB", "cold, RAM tier 64MiB")
+    for tree in saved["trees"].values():
+        assert list(tree) == list(passes)
+        for row in tree.values():
+            assert row["mb_per_s"]["median"] > 0
+            assert len(row["cpu_s_per_gib"]["rounds"]) == 1
+    assert "| cold, RAM tier 64MiB |" in capsys.readouterr().out

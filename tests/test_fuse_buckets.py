@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import random
@@ -10,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounting import daemon_pid, expected_tree, mounted, read_log, tree
+from tests.mounting import (
+    daemon_pid,
+    drop_page_cache,
+    expected_tree,
+    metrics,
+    mounted,
+    read_log,
+    tree,
+)
+from tests.servers import free_ports
 
 pytestmark = pytest.mark.fuse
 
@@ -128,6 +138,33 @@ def test_whole_bucket_mount_shows_both_prefixes(remote, tmp_path):
         assert sorted(os.listdir(mnt)) == ["data", "outside"]
         assert (mnt / "outside/not-mounted.txt").read_bytes() == OBJECTS[
             "outside/not-mounted.txt"]
+
+
+def test_large_blocks_through_a_small_ram_tier_reuse_memory_and_stay_exact(remote, tmp_path):
+    """A 12 MiB object read in 1 MiB blocks through a 3 MiB RAM tier: every block evicts
+    one, whose memory a later GET fills (spare_buffers.py), while readers at other
+    offsets still read theirs. Every byte stays exact, pass after pass."""
+    url, env, args, _ = remote
+    data = OBJECTS["data/large.bin"]
+    (port,) = free_ports(1)
+    with mounted(f"{url}/data", tmp_path / "mnt", *args, "--ram-cache", "3MiB",
+                 "--block-size", "1MiB", "--readahead-max", "2MiB",
+                 "--metrics-port", str(port), env=env) as mnt:
+        def read_from(offset: int, size: int) -> None:
+            fd = os.open(mnt / "large.bin", os.O_RDONLY)
+            try:
+                for start in range(offset, len(data), size):
+                    assert os.pread(fd, size, start) == data[start:start + size], start
+            finally:
+                os.close(fd)
+
+        for _ in range(2):
+            drop_page_cache()
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                list(pool.map(read_from, (0, 5 * MiB + 17, 9 * MiB), (MiB, 65536, 300_000)))
+        scrape = metrics(port)
+    assert scrape["bucketfs_buffers_reused_total"] > 0
+    assert scrape["bucketfs_buffers_spare_bytes"] <= 2 * MiB
 
 
 def test_changed_object_is_never_served_mixed(remote, tmp_path, request):

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import pycurl
 import trio
 
+from bucketfs.spare_buffers import spare_buffers
+
 log = logging.getLogger(__name__)
 
 #: A body this large or larger is copied into place as it arrives (Transfer says why).
@@ -161,7 +163,7 @@ class TrioCurl:
         curl.setopt(pycurl.URL, transfer.url)
         curl.setopt(pycurl.HTTPHEADER, transfer.headers)
         if transfer.length >= LARGE_BODY:
-            transfer._buffer = bytearray(transfer.length)
+            transfer._buffer = spare_buffers.take(transfer.length)
             transfer._view = memoryview(transfer._buffer)
             curl.setopt(pycurl.WRITEFUNCTION, transfer._fill)
         else:

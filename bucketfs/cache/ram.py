@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.tier import CacheEvents, Hit
 from bucketfs.prefetch.eviction import EvictionPolicy
+from bucketfs.spare_buffers import spare_buffers
 
 
 class RamTier:
@@ -69,3 +70,4 @@ class RamTier:
             del self._costs[block]
             self.used -= len(data)
             self.policy.remove(block)
+            spare_buffers.offer(data)

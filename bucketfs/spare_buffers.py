@@ -1,0 +1,118 @@
+"""Large blocks' memory used again: a block the RAM tier lets go becomes the buffer of
+a later GET, instead of going back to the system while the GET maps fresh memory.
+
+Why: every page of fresh memory costs a fault and the kernel zeroing it on first touch.
+Reading a 1 GiB object through a RAM tier smaller than it, each 4 MiB block evicts one,
+and those faults were a fifth of the daemon's CPU (docs/BENCHMARKS.md, step 35). Only
+bodies from `MIN_SIZE` are concerned: smaller ones come from the allocator's heap, which
+reuses freed memory already.
+
+When a buffer is free: a block's bytes are handed out only as memoryviews of one
+bytearray (the GET's, curl_multi.py), and every view, slice or C caller holding its
+buffer keeps a reference to that bytearray. So a bytearray that nothing but this module
+refers to has no reader left, and its bytes may be overwritten. `take` checks exactly
+that, with `sys.getrefcount` against the count an idle buffer has (`_IDLE_REFS`,
+measured on this interpreter with the same loop). A buffer is taken only at that count
+and of the exact size asked for, so a block still being replied from, written to the
+SSD tier or sent to the shared tier is never touched, and a GET overwrites every byte it
+returns (a short body is refused, curl_gets.py).
+
+Memory: the spare buffers are at most `limit` bytes (the mount sets it to its
+`readahead_max`: a read-ahead window starts that many GETs at once, and its blocks'
+evictions come back together), and `let_go_if_idle`, called every `IDLE_S` seconds,
+drops them all once a period passed without a GET taking or a block offering one. Trio
+thread only. Off where the interpreter runs without the GIL, whose reference counts are
+not exact.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+
+import trio
+
+#: Bodies from this size get their own mapping (mount.py's mmap threshold), so only
+#: they come back as fresh pages.
+MIN_SIZE = 1024 * 1024
+#: Seconds without a take or an offer after which the spare buffers go.
+IDLE_S = 2.0
+
+
+def _idle_count(buffers: deque[bytearray]) -> int:
+    for buffer in buffers:  # the very loop `take` runs, on a buffer only it holds
+        return sys.getrefcount(buffer)
+    raise AssertionError("unreachable")
+
+
+_IDLE_REFS = _idle_count(deque([bytearray(1)]))
+_EXACT_COUNTS: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
+
+
+class SpareBuffers:
+    def __init__(self, limit: int = 64 * 1024 * 1024) -> None:
+        self.limit = limit
+        self._spare: deque[bytearray] = deque()
+        self._bytes = 0
+        self._active = False
+        #: The sizes GETs asked for: a buffer of another size would never be taken.
+        self._sizes: set[int] = set()
+        #: GETs given a spare buffer, and given fresh memory.
+        self.reused = 0
+        self.fresh = 0
+
+    def take(self, size: int) -> bytearray:
+        """A buffer of `size` bytes: a spare one no one refers to any more, else a new
+        one. Its bytes are whatever it held: the caller overwrites all it hands out."""
+        self._active = True
+        if size not in self._sizes:
+            if len(self._sizes) >= 64:  # files of many sizes: remember the recent ones
+                self._sizes.clear()
+            self._sizes.add(size)
+        for buffer in self._spare:
+            if len(buffer) == size and sys.getrefcount(buffer) == _IDLE_REFS:
+                self._spare.remove(buffer)
+                self._bytes -= size
+                self.reused += 1
+                return buffer
+        self.fresh += 1
+        return bytearray(size)
+
+    def offer(self, data: object) -> None:
+        """A block let go (evicted, removed): its buffer is kept to be taken again, once
+        its last reader is done with it; the oldest spare goes past `limit`. Anything
+        but a view of a whole bytearray of a size GETs take is left alone."""
+        if not _EXACT_COUNTS or type(data) is not memoryview:
+            return
+        buffer = data.obj
+        if type(buffer) is not bytearray or len(buffer) < MIN_SIZE \
+                or len(buffer) not in self._sizes \
+                or data.nbytes != len(buffer) or len(buffer) > self.limit:
+            return
+        self._active = True
+        self._spare.append(buffer)
+        self._bytes += len(buffer)
+        while self._bytes > self.limit:
+            self._bytes -= len(self._spare.popleft())
+
+    def let_go_if_idle(self) -> None:
+        """Drop every spare buffer if nothing took or offered one since the last call."""
+        if not self._active:
+            self._spare.clear()
+            self._bytes = 0
+        self._active = False
+
+    @property
+    def spare_bytes(self) -> int:
+        return self._bytes
+
+    async def let_go_when_idle(self) -> None:
+        """The daemon's task calling `let_go_if_idle` every `IDLE_S` seconds."""
+        while True:
+            await trio.sleep(IDLE_S)
+            self.let_go_if_idle()
+
+
+#: The daemon's one pool: the GETs take from it (curl_multi.py), the RAM tier offers
+#: to it (cache/ram.py).
+spare_buffers = SpareBuffers()

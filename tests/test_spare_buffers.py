@@ -1,0 +1,144 @@
+"""Large blocks' memory used again (bucketfs.spare_buffers): a buffer is handed to a new
+GET only once nothing refers to the block it held, so no reader ever sees its bytes
+change; through libcurl's GETs (the test server of test_curl_gets) and the RAM tier."""
+
+from __future__ import annotations
+
+import threading
+
+import trio
+
+from bucketfs.cache.blocks import BlockId
+from bucketfs.cache.ram import RamTier
+from bucketfs.prefetch.eviction import make_policy
+from bucketfs.spare_buffers import MIN_SIZE, SpareBuffers, spare_buffers
+from tests.test_curl_gets import BODY, VERSION, gets, server  # noqa: F401 (fixture)
+
+SIZE = 2 * MIN_SIZE
+
+
+def block_of(fill: int, size: int = SIZE) -> memoryview:
+    """A block as a GET hands it out: a read-only view of a whole bytearray."""
+    return memoryview(bytearray([fill]) * size).toreadonly()
+
+
+def pool_taking(*sizes: int, limit: int = 64 * MIN_SIZE) -> SpareBuffers:
+    """A pool whose GETs took buffers of these sizes (it keeps no other size)."""
+    pool = SpareBuffers(limit)
+    for size in sizes:
+        pool.take(size)
+    pool.fresh = 0
+    return pool
+
+
+def test_a_buffer_is_taken_again_only_when_nothing_refers_to_it() -> None:
+    pool = pool_taking(SIZE)
+    block = block_of(1)
+    reply = block[100:200]  # a reply still on its way, a view of the same buffer
+    buffer = id(block.obj)  # its id: a reference would keep it from being taken
+    pool.offer(block)
+    del block
+    assert id(pool.take(SIZE)) != buffer
+    assert bytes(reply) == b"\x01" * 100
+    del reply
+    assert id(pool.take(SIZE)) == buffer
+    assert pool.reused == 1 and pool.fresh == 1
+
+
+def test_a_buffer_held_by_another_thread_is_not_taken() -> None:
+    pool = pool_taking(SIZE)
+    block = block_of(2)
+    buffer = id(block.obj)
+    holding, done = threading.Event(), threading.Event()
+
+    def writer(view: memoryview) -> None:  # as the SSD write-through holds its block
+        holding.set()
+        done.wait(10)
+
+    thread = threading.Thread(target=writer, args=(block,))
+    thread.start()
+    holding.wait(10)
+    pool.offer(block)
+    del block
+    assert id(pool.take(SIZE)) != buffer
+    done.set()
+    thread.join()
+    assert id(pool.take(SIZE)) == buffer
+
+
+def test_only_a_whole_large_bytearray_of_a_size_taken_is_kept_and_taken() -> None:
+    pool = pool_taking(SIZE, MIN_SIZE - 1)
+    pool.offer(block_of(8, SIZE + 2))  # no GET asks for this size: it would stay idle
+    pool.offer(b"x" * SIZE)  # bytes: not ours to overwrite
+    pool.offer(block_of(3, MIN_SIZE - 1))  # small: the heap reuses it anyway
+    whole = bytearray(SIZE)
+    pool.offer(memoryview(whole)[:SIZE - 1])  # part of a buffer
+    pool.offer(memoryview(memoryview(b"y" * SIZE)))  # a view of bytes
+    assert pool.spare_bytes == 0
+    pool.offer(block_of(4))
+    assert pool.spare_bytes == SIZE
+    pool.take(SIZE + 1)  # another size
+    assert pool.reused == 0 and pool.spare_bytes == SIZE
+    assert len(pool.take(SIZE)) == SIZE and pool.reused == 1
+
+
+def test_spares_are_bounded_in_bytes_and_go_when_idle() -> None:
+    pool = pool_taking(SIZE, limit=3 * SIZE)
+    blocks = [block_of(i) for i in range(5)]
+    buffers = [id(block.obj) for block in blocks]
+    for block in blocks:
+        pool.offer(block)
+    del block, blocks
+    assert pool.spare_bytes == 3 * SIZE
+    taken = [pool.take(SIZE) for _ in range(4)]
+    assert [id(buffer) for buffer in taken[:3]] == buffers[2:]  # the oldest went
+    assert pool.reused == 3 and pool.fresh == 1
+    pool.offer(memoryview(taken[0]))
+    pool.let_go_if_idle()  # there was activity since the last call: kept
+    assert pool.spare_bytes == SIZE
+    pool.let_go_if_idle()  # a whole period without any: dropped
+    assert pool.spare_bytes == 0
+
+
+def test_the_ram_tier_offers_what_it_evicts() -> None:
+    spare_buffers.take(SIZE)  # a GET of this size: the pool keeps such buffers
+    ram = RamTier(2 * SIZE, make_policy("lru"))
+    first = block_of(5)
+    buffer = id(first.obj)
+    ram.put(BlockId("a", "v", 0, size=SIZE), first, 1.0)
+    ram.put(BlockId("b", "v", 0, size=SIZE), block_of(6), 1.0)
+    del first
+    before = spare_buffers.reused
+    ram.put(BlockId("c", "v", 0, size=SIZE), block_of(7), 1.0)  # evicts a
+    assert id(spare_buffers.take(SIZE)) == buffer
+    assert spare_buffers.reused == before + 1
+
+
+def test_a_get_fills_a_spare_buffer_and_never_one_still_read(server) -> None:  # noqa: F811
+    """A large GET's body lands in the buffer of a block let go, and a block someone
+    still reads keeps its bytes while later GETs run."""
+    endpoint, _ = server
+    client = gets(endpoint)
+    length = MIN_SIZE + 5
+
+    async def main() -> None:
+        spare_buffers.let_go_if_idle()
+        spare_buffers.let_go_if_idle()  # start with none
+        first = await client.get_range("obj", VERSION, 0, length)
+        still_read = await client.get_range("obj", VERSION, 7, length)
+        kept = bytes(still_read)
+        spare_buffers.offer(first)
+        spare_buffers.offer(still_read)
+        reused_buffer = id(first.obj)
+        del first
+        before = spare_buffers.reused
+        again = await client.get_range("obj", VERSION, 3, length)
+        assert id(again.obj) == reused_buffer and spare_buffers.reused == before + 1
+        assert bytes(again) == BODY[3:3 + length]
+        third = await client.get_range("obj", VERSION, 11, length)
+        assert third.obj is not still_read.obj
+        assert bytes(still_read) == kept == BODY[7:7 + length]
+        assert bytes(third) == BODY[11:11 + length]
+
+    trio.run(main)
+    client.close()
