@@ -352,14 +352,19 @@ def test_a_bearer_token_is_refreshed_once_when_invalid():
 # --- Where a GET goes ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("endpoint", "style", "bucket", "url"), [
-    ("http://127.0.0.1:9000", "path", "data", "http://127.0.0.1:9000/data/a%20b/c.jpg"),
-    ("http://127.0.0.1:9000", "virtual", "data", "http://data.127.0.0.1:9000/a%20b/c.jpg"),
-    (None, "auto", "data", "https://data.s3.eu-west-3.amazonaws.com/a%20b/c.jpg"),
+@pytest.mark.parametrize(("endpoint", "style", "bucket", "url", "obstore"), [
+    ("http://127.0.0.1:9000", "path", "data", "http://127.0.0.1:9000/data/a%20b/c.jpg",
+     {"endpoint": "http://127.0.0.1:9000", "virtual_hosted_style_request": "false"}),
+    ("http://127.0.0.1:9000", "virtual", "data", "http://data.127.0.0.1:9000/a%20b/c.jpg",
+     {"endpoint": "http://data.127.0.0.1:9000", "virtual_hosted_style_request": "true"}),
+    (None, "auto", "data", "https://data.s3.eu-west-3.amazonaws.com/a%20b/c.jpg",
+     {"virtual_hosted_style_request": "true"}),
     # A dotted name would not match AWS's wildcard certificate as a virtual host.
-    (None, "auto", "my.data", "https://s3.eu-west-3.amazonaws.com/my.data/a%20b/c.jpg"),
+    (None, "auto", "my.data", "https://s3.eu-west-3.amazonaws.com/my.data/a%20b/c.jpg",
+     {"virtual_hosted_style_request": "false"}),
 ])
-def test_s3_gets_go_where_the_sdk_would(monkeypatch, endpoint, style, bucket, url):
+def test_s3_gets_go_where_the_sdk_would(monkeypatch, endpoint, style, bucket, url, obstore):
+    """libcurl's GETs and obstore's (S3 Express, the shared tier) alike."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
@@ -370,6 +375,9 @@ def test_s3_gets_go_where_the_sdk_would(monkeypatch, endpoint, style, bucket, ur
         assert gets is not None and isinstance(gets.signer, SigV4)
         assert gets.url_of("a b/c.jpg", "etag") == url
         assert gets.pinned("etag") == ['If-Match: "etag"']
+        config = backend._gets.store.config
+        assert {k: config.get(k) for k in obstore} == obstore
+        assert ("endpoint" in config) == ("endpoint" in obstore)  # AWS: the region's
     finally:
         backend.close()
 

@@ -87,22 +87,31 @@ _CREDENTIAL_ERRORS = (
 )
 
 
+def _addressing(bucket: str, endpoint: str, style: str) -> tuple[bool, bool, str]:
+    """How requests reach the bucket, as the boto3 client would: whether the endpoint is
+    AWS's own, whether the bucket is named in the host (virtual-hosted style), and the
+    bucket's base URL. On AWS, "auto" is virtual-hosted except for a dotted name, which
+    as a host would not match AWS's wildcard TLS certificate (path style, as boto3)."""
+    parts = urlsplit(endpoint)
+    aws = parts.hostname.endswith(".amazonaws.com")  # type: ignore[union-attr]
+    virtual = style == "virtual" or (style == "auto" and aws and "." not in bucket)
+    base = (urlunsplit(parts._replace(netloc=f"{bucket}.{parts.netloc}")) if virtual
+            else f"{endpoint.rstrip('/')}/{bucket}")
+    return aws, virtual, base.rstrip("/")
+
+
 def _fast_store(bucket: str, client: Any, session: boto3.session.Session,
                 settings: BackendSettings) -> S3Store:
     """An obstore S3Store reaching the bucket the way the boto3 client does: its endpoint
     (none for AWS itself, where the region says where), addressing style, region and
     credentials (refreshed through the session; none: unsigned, as a public bucket)."""
     endpoint = client.meta.endpoint_url
-    aws = urlsplit(endpoint).hostname.endswith(".amazonaws.com")  # type: ignore[union-attr]
-    virtual = settings.addressing_style == "virtual" or (
-        settings.addressing_style == "auto" and aws)
+    aws, virtual, base = _addressing(bucket, endpoint, settings.addressing_style)
     options: dict[str, Any] = {
         "region": client.meta.region_name, "virtual_hosted_style_request": virtual,
         "client_options": client_options(endpoint, settings), "retry_config": RETRY_CONFIG}
     if not aws:
-        parts = urlsplit(endpoint)
-        options["endpoint"] = endpoint if not virtual else \
-            urlunsplit(parts._replace(netloc=f"{bucket}.{parts.netloc}"))
+        options["endpoint"] = base if virtual else endpoint
     if bucket.endswith("--x-s3"):
         # An S3 Express One Zone directory bucket (AWS names them so): its requests are
         # signed with session credentials, which obstore fetches (CreateSession).
@@ -123,14 +132,7 @@ def _curl_gets(bucket: str, client: Any, session: boto3.session.Session,
     obstore fetches."""
     if bucket.endswith("--x-s3"):
         return None
-    endpoint = client.meta.endpoint_url
-    parts = urlsplit(endpoint)
-    aws = parts.hostname.endswith(".amazonaws.com")  # type: ignore[union-attr]
-    # A dotted name in a virtual host would not match the TLS certificate: path style.
-    virtual = settings.addressing_style == "virtual" or (
-        settings.addressing_style == "auto" and aws and "." not in bucket)
-    base = (urlunsplit(parts._replace(netloc=f"{bucket}.{parts.netloc}")) if virtual
-            else f"{endpoint.rstrip('/')}/{bucket}").rstrip("/")
+    _, _, base = _addressing(bucket, client.meta.endpoint_url, settings.addressing_style)
     credentials = session.get_credentials()
     signer = Unsigned() if credentials is None else SigV4(
         credentials, client.meta.region_name or "us-east-1")
