@@ -39,8 +39,9 @@ MIN_SIZE = 1024 * 1024
 IDLE_S = 2.0
 
 
-def _idle_count(buffers: deque[bytearray]) -> int:
-    for buffer in buffers:  # the very loop `take` runs, on a buffer only it holds
+def _idle_count(spare: deque[bytearray]) -> int:
+    for i in range(len(spare)):  # the very loop `take` runs, on a buffer only it holds
+        buffer = spare[i]
         return sys.getrefcount(buffer)
     raise AssertionError("unreachable")
 
@@ -69,9 +70,13 @@ class SpareBuffers:
             if len(self._sizes) >= 64:  # files of many sizes: remember the recent ones
                 self._sizes.clear()
             self._sizes.add(size)
-        for buffer in self._spare:
+        spare = self._spare
+        # By index: deque.remove would compare contents, and could drop another
+        # buffer that holds the same bytes.
+        for i in range(len(spare)):
+            buffer = spare[i]
             if len(buffer) == size and sys.getrefcount(buffer) == _IDLE_REFS:
-                self._spare.remove(buffer)
+                del spare[i]
                 self._bytes -= size
                 self.reused += 1
                 return buffer

@@ -45,6 +45,21 @@ def test_a_buffer_is_taken_again_only_when_nothing_refers_to_it() -> None:
     assert pool.reused == 1 and pool.fresh == 1
 
 
+def test_buffers_holding_the_same_bytes_are_told_apart() -> None:
+    """Two spare blocks of zeros (a sparse file's): the idle one is taken, and the one
+    still read stays spare until its reader is done."""
+    pool = pool_taking(SIZE)
+    held, idle = block_of(0), block_of(0)
+    held_id, idle_id = id(held.obj), id(idle.obj)
+    pool.offer(held)
+    pool.offer(idle)
+    del idle
+    assert id(pool.take(SIZE)) == idle_id
+    assert pool.spare_bytes == SIZE
+    del held
+    assert id(pool.take(SIZE)) == held_id
+
+
 def test_a_buffer_held_by_another_thread_is_not_taken() -> None:
     pool = pool_taking(SIZE)
     block = block_of(2)
