@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bucketfs.cache import file_reads
+from bucketfs.cache.direct_writes import address_of
 from bucketfs.cache.durable import drop_cached, write_durably
 from bucketfs.cache.file_reads import read_whole
 from tests.pages import resident_bytes
@@ -83,3 +84,20 @@ def test_other_errors_are_raised(tmp_path):
         read_whole(tmp_path / "missing")
     with pytest.raises(FileNotFoundError):
         read_whole(tmp_path / "missing", direct=False)
+
+
+def test_a_direct_read_lands_in_private_memory_not_shmem(tmp_path):
+    """Python's mmap.mmap(-1, n) is shared memory, backed by shmem pages that cost more
+    to fault in (file_reads.py, direct_writes.private_pages)."""
+    path = tmp_path / "block"
+    written(path, 4 << 20)
+    block = read_whole(path, direct=True)
+    address = address_of(block)
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, perms = line.split()[:2]
+        low, high = (int(part, 16) for part in span.split("-"))
+        if low <= address < high:
+            assert perms.endswith("p"), line  # private: not "s" (shared, /dev/zero)
+            assert "/dev/zero" not in line
+            return
+    raise AssertionError("the buffer is in no mapping")

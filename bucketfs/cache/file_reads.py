@@ -14,8 +14,9 @@ reuse its memory. Small block files read either way cost the same (0.40-0.44 ms 
 per 100 KB block buffered, 0.405-0.45 direct: docs/BENCHMARKS.md, after step 20), so
 they are read as before.
 
-Direct I/O wants the buffer, the offset and the length aligned: the buffer is an
-anonymous mmap (page-aligned), the read starts at 0 and asks for whole pages. Where the
+Direct I/O wants the buffer, the offset and the length aligned: the buffer is a private
+anonymous mmap (page-aligned; not Python's default shared one: `private_pages` says
+why), the read starts at 0 and asks for whole pages. Where the
 filesystem refuses (`EINVAL`: tmpfs before Linux 6.6, some FUSE or network
 filesystems), the file is read through the page cache instead.
 """
@@ -26,6 +27,8 @@ import errno
 import mmap
 import os
 from pathlib import Path
+
+from bucketfs.cache.direct_writes import private_pages
 
 _PAGE = mmap.PAGESIZE
 
@@ -56,7 +59,7 @@ def read_whole(path: Path, *, direct: bool = True) -> memoryview:
 
 def _read_direct(fd: int) -> memoryview:
     size = os.fstat(fd).st_size
-    buffer = mmap.mmap(-1, max(_PAGE, -(-size // _PAGE) * _PAGE))
+    buffer = private_pages(max(_PAGE, -(-size // _PAGE) * _PAGE))
     view = memoryview(buffer)
     got = 0
     while got < size:
