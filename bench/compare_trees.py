@@ -113,28 +113,24 @@ def one_round(server: S3Server, work: Path, tree: Path, relpaths: list[str],
 
 def large_round(server: S3Server, work: Path, tree: Path, key: str, large_mib: int,
                 ) -> dict[str, dict[str, float]]:
-    rows = {}
     cold_2gib, cold_small, from_ssd = large_passes(large_mib)
-    caches = []
+
+    def dd(ram: str, cache: Path) -> dict[str, float]:
+        args = ["--ram-cache", ram, "--metadata-ttl", "forever", "--cache-dir", str(cache)]
+        with Mount(server, work / "large", args, prefix="large", tree=tree) as mount:
+            drop_page_cache()
+            back_memory(3 * -(-large_mib // 1024) + 1)
+            row = mount.dd(key.removeprefix("large/"))
+        return {measure: row[measure] for measure in LARGE_MEASURES}
+
+    big, small = (Path(tempfile.mkdtemp(prefix="cache-", dir=work)) for _ in range(2))
     try:
-        for name in (cold_2gib, cold_small, from_ssd):
-            if name == from_ssd:  # the first pass's cache directory, mounted again
-                ram, cache = "2GiB", caches[0]
-            else:
-                ram = name.rpartition(" ")[2]
-                cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
-                caches.append(cache)
-            args = ["--ram-cache", ram, "--metadata-ttl", "forever", "--cache-dir",
-                    str(cache)]
-            with Mount(server, work / "large", args, prefix="large", tree=tree) as mount:
-                drop_page_cache()
-                back_memory(3 * -(-large_mib // 1024) + 1)
-                row = mount.dd(key.removeprefix("large/"))
-            rows[name] = {measure: row[measure] for measure in LARGE_MEASURES}
+        return {cold_2gib: dd("2GiB", big),
+                cold_small: dd(cold_small.rpartition(" ")[2], small),
+                from_ssd: dd("2GiB", big)}  # the first pass's cache, mounted again
     finally:
-        for cache in caches:
-            shutil.rmtree(cache, ignore_errors=True)
-    return rows
+        shutil.rmtree(big, ignore_errors=True)
+        shutil.rmtree(small, ignore_errors=True)
 
 
 def compare(rev: str, rounds: int, files: int, large_mib: int = 0) -> dict[str, Any]:

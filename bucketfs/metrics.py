@@ -151,6 +151,7 @@ class MountCollector(Collector):
             yield from self._shared(self.cache.shared)
         yield from self._reads()
         yield from self._readahead()
+        yield from self._buffers()
         if self.prefetch is not None:
             yield from self._hints(self.prefetch)
         yield CounterMetricFamily(
@@ -310,13 +311,14 @@ class MountCollector(Collector):
             PREFIX + "readahead_budget_bytes",
             "Most bytes read-ahead may have in flight across all open files.",
             value=budget.limit)
-        yield CounterMetricFamily(
-            PREFIX + "buffers_reused_total",
-            "Large GETs given the memory of a block the RAM tier let go.",
-            value=spare_buffers.reused)
-        yield CounterMetricFamily(
-            PREFIX + "buffers_fresh_total", "Large GETs given fresh memory.",
-            value=spare_buffers.fresh)
+
+    def _buffers(self) -> Iterator[Metric]:
+        for name, doc, value in (
+            ("buffers_reused_total", "Large GETs given the memory of a block the RAM tier "
+             "let go.", spare_buffers.reused),
+            ("buffers_fresh_total", "Large GETs given fresh memory.", spare_buffers.fresh),
+        ):
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
         yield GaugeMetricFamily(
             PREFIX + "buffers_spare_bytes",
             "Memory of blocks let go, waiting to be reused by a GET.",

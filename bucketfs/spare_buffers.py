@@ -54,7 +54,6 @@ class SpareBuffers:
     def __init__(self, limit: int = 64 * 1024 * 1024) -> None:
         self.limit = limit
         self._spare: deque[bytearray] = deque()
-        self._bytes = 0
         self._active = False
         #: The sizes GETs asked for: a buffer of another size would never be taken.
         self._sizes: set[int] = set()
@@ -77,7 +76,6 @@ class SpareBuffers:
             buffer = spare[i]
             if len(buffer) == size and sys.getrefcount(buffer) == _IDLE_REFS:
                 del spare[i]
-                self._bytes -= size
                 self.reused += 1
                 return buffer
         self.fresh += 1
@@ -96,20 +94,21 @@ class SpareBuffers:
             return
         self._active = True
         self._spare.append(buffer)
-        self._bytes += len(buffer)
-        while self._bytes > self.limit:
-            self._bytes -= len(self._spare.popleft())
+        while self.spare_bytes > self.limit:
+            self._spare.popleft()
 
     def let_go_if_idle(self) -> None:
         """Drop every spare buffer if nothing took or offered one since the last call."""
         if not self._active:
             self._spare.clear()
-            self._bytes = 0
         self._active = False
 
     @property
     def spare_bytes(self) -> int:
-        return self._bytes
+        """A sum over a few buffers (the limit keeps them to a read-ahead window's), in
+        one C call: a metrics scrape reads it from its own thread while the trio thread
+        changes the deque, and no bytecode runs in between to let that thread in."""
+        return sum(map(len, self._spare))
 
     async def let_go_when_idle(self) -> None:
         """The daemon's task calling `let_go_if_idle` every `IDLE_S` seconds."""
