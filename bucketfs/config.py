@@ -287,6 +287,11 @@ OPTIONS: tuple[Option, ...] = (
            "the kernel's own read-ahead for this mount (its bdi read_ahead_kb); larger "
            "means fewer, larger FUSE reads of big files. Set when mounting as root",
            '"4MiB"'),
+    Option("read", "huge_buffers", _choice("auto", "always", "never"), "auto",
+           "large blocks' buffers (a GET's body, a read from the SSD tier) in "
+           "transparent huge pages, one fault per 2 MiB: auto uses them unless the host "
+           "takes freed memory back (a VM's free page reporting), where each fresh huge "
+           "page costs the host 512 faults (bucketfs/huge_buffers.py)", '"auto"'),
     Option("cache", "shared", _shared_url, None,
            "a bucket (s3://BUCKET[/PREFIX]) that nodes training on the same data share as "
            "a third tier between cache_dir and the origin: blocks are looked up there "

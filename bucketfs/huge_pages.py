@@ -7,7 +7,9 @@ touch: a third of the daemon's CPU for a cold 1 GiB read on the benchmark's VM. 
 (`MADV_HUGEPAGE`) on the memory it maps for large allocations, and a 2 MiB page is one
 fault. A 4 MiB block's mapping is not 2 MiB-aligned, so about half of it gets such
 pages (a cold 1 GiB read, interleaved: 1.31 -> 1.24 CPU-s per GiB in one run and
-1.20 -> 1.06 in another; docs/BENCHMARKS.md, step 24).
+1.20 -> 1.06 in another; docs/BENCHMARKS.md, step 24). Where `huge_buffers` is on, a
+large block's buffer is a mapping of its own in whole huge pages instead
+(huge_buffers.py); this setting still serves everything else glibc maps.
 
 The setting is read only when a process starts, so it goes into the daemon's
 environment: the parent of `bucketfs mount` passes it to the daemon it starts, and a

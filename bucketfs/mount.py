@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
+from bucketfs import huge_buffers
 from bucketfs.backends import open_backend
 from bucketfs.backends.base import Backend, BackendError, NotFound
 from bucketfs.backends.retry import RetryPolicy
@@ -308,6 +309,7 @@ async def _serve_namespace(
                              store, reader, prefetch,
                              WarmJobs(namespace, cache, nursery, connections=connections))
         start_guarded(nursery, "sampling the origin's throughput", status.run)
+        huge_buffers.choose(config.huge_buffers)
         # A read-ahead window's evictions come back together: keep that many spare.
         spare_buffers.limit = config.readahead_max
         start_guarded(nursery, "letting spare block buffers go",

@@ -7,15 +7,15 @@ and those faults were a fifth of the daemon's CPU (docs/BENCHMARKS.md, step 35).
 bodies from `MIN_SIZE` are concerned: smaller ones come from the allocator's heap, which
 reuses freed memory already.
 
-When a buffer is free: a block's bytes are handed out only as memoryviews of one
-bytearray (the GET's, curl_multi.py), and every view, slice or C caller holding its
-buffer keeps a reference to that bytearray. So a bytearray that nothing but this module
-refers to has no reader left, and its bytes may be overwritten. `take` checks exactly
-that, with `sys.getrefcount` against the count an idle buffer has (`_IDLE_REFS`,
-measured on this interpreter with the same loop). A buffer is taken only at that count
-and of the exact size asked for, so a block still being replied from, written to the
-SSD tier or sent to the shared tier is never touched, and a GET overwrites every byte it
-returns (a short body is refused, curl_gets.py).
+When a buffer is free: a block's bytes are handed out only as memoryviews of one buffer
+(the GET's, curl_multi.py: a bytearray, or an mmap of huge pages from huge_buffers.py),
+and every view, slice or C caller holding its bytes keeps a reference to that object. So
+a buffer that nothing but this module refers to has no reader left, and its bytes may be
+overwritten. `take` checks exactly that, with `sys.getrefcount` against the count an
+idle buffer has (`_IDLE_REFS`, measured on this interpreter with the same loop). A
+buffer is taken only at that count and of the exact size asked for, so a block still
+being replied from, written to the SSD tier or sent to the shared tier is never touched,
+and a GET overwrites every byte it returns (a short body is refused, curl_gets.py).
 
 Memory: the spare buffers are at most `limit` bytes (the mount sets it to its
 `readahead_max`: a read-ahead window starts that many GETs at once, and its blocks'
@@ -27,10 +27,13 @@ not exact.
 
 from __future__ import annotations
 
+import mmap
 import sys
 from collections import deque
 
 import trio
+
+from bucketfs import huge_buffers
 
 #: Bodies from this size get their own mapping (mount.py's mmap threshold), so only
 #: they come back as fresh pages.
@@ -39,13 +42,18 @@ MIN_SIZE = 1024 * 1024
 IDLE_S = 2.0
 
 
-def _idle_count(spare: deque[bytearray]) -> int:
+#: A block's buffer: a bytearray, or a mapping of its own in huge pages (huge_buffers.py).
+Buffer = bytearray | mmap.mmap
+
+
+def _idle_count(spare: deque[Buffer]) -> int:
     for i in range(len(spare)):  # the very loop `take` runs, on a buffer only it holds
         buffer = spare[i]
         return sys.getrefcount(buffer)
     raise AssertionError("unreachable")
 
 
+_BUFFER_TYPES = (bytearray, mmap.mmap)
 _IDLE_REFS = _idle_count(deque([bytearray(1)]))
 _EXACT_COUNTS: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
 
@@ -53,7 +61,7 @@ _EXACT_COUNTS: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
 class SpareBuffers:
     def __init__(self, limit: int = 64 * 1024 * 1024) -> None:
         self.limit = limit
-        self._spare: deque[bytearray] = deque()
+        self._spare: deque[Buffer] = deque()
         self._active = False
         #: The sizes GETs asked for: a buffer of another size would never be taken.
         self._sizes: set[int] = set()
@@ -61,7 +69,7 @@ class SpareBuffers:
         self.reused = 0
         self.fresh = 0
 
-    def take(self, size: int) -> bytearray:
+    def take(self, size: int) -> Buffer:
         """A buffer of `size` bytes: a spare one no one refers to any more, else a new
         one. Its bytes are whatever it held: the caller overwrites all it hands out."""
         self._active = True
@@ -79,16 +87,18 @@ class SpareBuffers:
                 self.reused += 1
                 return buffer
         self.fresh += 1
+        if huge_buffers.settings.enabled and size >= huge_buffers.HUGE_PAGE:
+            return huge_buffers.fresh(size)
         return bytearray(size)
 
     def offer(self, data: object) -> None:
         """A block let go (evicted, removed): its buffer is kept to be taken again, once
         its last reader is done with it; the oldest spare goes past `limit`. Anything
-        but a view of a whole bytearray of a size GETs take is left alone."""
+        but a view of a whole buffer of a size GETs take is left alone."""
         if not _EXACT_COUNTS or type(data) is not memoryview:
             return
         buffer = data.obj
-        if type(buffer) is not bytearray or len(buffer) < MIN_SIZE \
+        if type(buffer) not in _BUFFER_TYPES or len(buffer) < MIN_SIZE \
                 or len(buffer) not in self._sizes \
                 or data.nbytes != len(buffer) or len(buffer) > self.limit:
             return

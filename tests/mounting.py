@@ -21,8 +21,11 @@ from bucketfs.runtime import mounted as mount_entry
 
 def bucketfs(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
              ) -> subprocess.CompletedProcess[str]:
+    """The CLI, imported as the daemon imports it: with -P (not from the working
+    directory), so a PYTHONPATH naming another checkout (bench.compare_trees) runs that
+    checkout's CLI, whose options its daemon knows."""
     return subprocess.run(
-        [sys.executable, "-m", "bucketfs", *args], capture_output=True, text=True,
+        [sys.executable, "-P", "-m", "bucketfs", *args], capture_output=True, text=True,
         env={**os.environ, **(env or {})}, timeout=timeout,
     )
 

@@ -30,3 +30,20 @@ def resident_bytes(path: Path) -> int:
             libc.munmap(address, size)
     finally:
         os.close(fd)
+
+
+def mapping_flags(address: int) -> set[str]:
+    """The kernel's VmFlags of the mapping holding `address` in this process (`hg`: advised
+    MADV_HUGEPAGE), from /proc/self/smaps."""
+    flags: set[str] | None = None
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0] if line.strip() else ""
+        if "-" in first and not first.endswith(":"):
+            low, high = (int(part, 16) for part in first.split("-"))
+            inside = low <= address < high
+        elif inside and first == "VmFlags:":
+            flags = set(line.split()[1:])
+    if flags is None:
+        raise AssertionError(f"{address:#x} is in no mapping")
+    return flags

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bucketfs import huge_buffers
 from bucketfs.cache import file_reads
 from bucketfs.cache.direct_writes import address_of
 from bucketfs.cache.durable import drop_cached, write_durably
@@ -18,7 +19,8 @@ from bucketfs.cache.file_reads import read_whole
 from tests.pages import resident_bytes
 
 PAGE = mmap.PAGESIZE
-SIZES = [0, 1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, (1 << 20) + 7, 4 << 20]
+SIZES = [0, 1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 17, (1 << 20) + 7, 4 << 20,
+         PAGE + (4 << 20) + 100]
 
 
 def written(path: Path, size: int) -> bytes:
@@ -101,3 +103,14 @@ def test_a_direct_read_lands_in_private_memory_not_shmem(tmp_path):
             assert "/dev/zero" not in line
             return
     raise AssertionError("the buffer is in no mapping")
+
+
+def test_a_large_block_files_data_lands_on_a_huge_page_boundary(tmp_path, monkeypatch):
+    """A block file's data starts in its second page; read with huge pages on, it lies
+    in whole 2 MiB pages (huge_buffers.read_from), which the direct read pins one each."""
+    monkeypatch.setattr(huge_buffers.settings, "enabled", True)
+    path = tmp_path / "block"
+    data = written(path, PAGE + (4 << 20))
+    block = read_whole(path, direct=True)
+    assert block == data
+    assert address_of(block[PAGE:]) % (2 << 20) == 0

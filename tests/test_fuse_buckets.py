@@ -140,31 +140,70 @@ def test_whole_bucket_mount_shows_both_prefixes(remote, tmp_path):
             "outside/not-mounted.txt"]
 
 
-def test_large_blocks_through_a_small_ram_tier_reuse_memory_and_stay_exact(remote, tmp_path):
-    """A 12 MiB object read in 1 MiB blocks through a 3 MiB RAM tier: every block evicts
-    one, whose memory a later GET fills (spare_buffers.py), while readers at other
-    offsets still read theirs. Every byte stays exact, pass after pass."""
-    url, env, args, _ = remote
+def read_large_from_three_places(mnt: Path) -> None:
+    """large.bin read by three threads at once, from different offsets in steps of
+    different sizes, every piece checked."""
     data = OBJECTS["data/large.bin"]
-    (port,) = free_ports(1)
-    with mounted(f"{url}/data", tmp_path / "mnt", *args, "--ram-cache", "3MiB",
-                 "--block-size", "1MiB", "--readahead-max", "2MiB",
-                 "--metrics-port", str(port), env=env) as mnt:
-        def read_from(offset: int, size: int) -> None:
-            fd = os.open(mnt / "large.bin", os.O_RDONLY)
-            try:
-                for start in range(offset, len(data), size):
-                    assert os.pread(fd, size, start) == data[start:start + size], start
-            finally:
-                os.close(fd)
 
+    def read_from(offset: int, size: int) -> None:
+        fd = os.open(mnt / "large.bin", os.O_RDONLY)
+        try:
+            for start in range(offset, len(data), size):
+                assert os.pread(fd, size, start) == data[start:start + size], start
+        finally:
+            os.close(fd)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        list(pool.map(read_from, (0, 5 * MiB + 17, 9 * MiB), (MiB, 65536, 300_000)))
+
+
+@pytest.mark.parametrize("huge, block", [("never", MiB), ("always", 2 * MiB)])
+def test_large_blocks_through_a_small_ram_tier_reuse_memory_and_stay_exact(
+        remote, tmp_path, huge, block):
+    """A 12 MiB object read in blocks through a RAM tier of three: every block evicts
+    one, whose memory a later GET fills (spare_buffers.py), while readers at other
+    offsets still read theirs. Every byte stays exact, pass after pass. Blocks of 1 MiB
+    land in bytearrays; of 2 MiB with `--huge-buffers always`, in mappings of huge
+    pages (huge_buffers.py)."""
+    url, env, args, _ = remote
+    (port,) = free_ports(1)
+    with mounted(f"{url}/data", tmp_path / "mnt", *args, "--ram-cache", str(3 * block),
+                 "--block-size", str(block), "--readahead-max", str(2 * block),
+                 "--huge-buffers", huge, "--metrics-port", str(port), env=env) as mnt:
         for _ in range(2):
             drop_page_cache()
-            with concurrent.futures.ThreadPoolExecutor(3) as pool:
-                list(pool.map(read_from, (0, 5 * MiB + 17, 9 * MiB), (MiB, 65536, 300_000)))
+            read_large_from_three_places(mnt)
         scrape = metrics(port)
     assert scrape["bucketfs_buffers_reused_total"] > 0
-    assert scrape["bucketfs_buffers_spare_bytes"] <= 2 * MiB
+    assert scrape["bucketfs_buffers_spare_bytes"] <= 2 * block
+    assert f"large block buffers in huge pages: {'yes' if huge == 'always' else 'no'}" \
+        in read_log(tmp_path / "mnt.log")
+
+
+def test_huge_page_buffers_serve_exact_bytes_from_the_origin_and_the_ssd_tier(
+        remote, tmp_path):
+    """2 MiB blocks in buffers of huge pages (`--huge-buffers always`, huge_buffers.py):
+    read cold through a RAM tier that evicts as it goes, twice (the second time from the
+    SSD tier), then from the SSD tier alone after a remount, whose direct reads land in
+    huge pages too. The object's last block is 3 bytes. Every byte stays exact."""
+    url, env, args, _ = remote
+    options = [*args, "--huge-buffers", "always", "--block-size", "2MiB",
+               "--ram-cache", "4MiB", "--readahead-max", "2MiB",
+               "--cache-dir", str(tmp_path / "cache")]
+
+    served = []
+    for passes in (2, 1):
+        (port,) = free_ports(1)
+        with mounted(f"{url}/data", tmp_path / "mnt", *options, "--metrics-port", str(port),
+                     env=env) as mnt:
+            for _ in range(passes):
+                drop_page_cache()
+                read_large_from_three_places(mnt)
+            served.append(metrics(port))
+        assert "large block buffers in huge pages: yes" in read_log(tmp_path / "mnt.log")
+    assert served[0]["bucketfs_buffers_fresh_total"] == 6  # the 2 MiB blocks' GETs
+    assert served[1]['bucketfs_origin_requests_total{kind="get"}'] == 0
+    assert served[1]['bucketfs_cache_hits_total{tier="ssd"}'] > 0
 
 
 def test_changed_object_is_never_served_mixed(remote, tmp_path, request):
@@ -196,10 +235,17 @@ def test_changed_object_is_never_served_mixed(remote, tmp_path, request):
                 assert hashlib.sha256(f.read()).digest() == hashlib.sha256(new).digest()
 
 
-def test_worker_threads_never_preempt_the_fuse_thread(mount):
+def test_worker_threads_never_preempt_the_fuse_thread(remote, tmp_path):
     """The daemon's worker threads run under SCHED_BATCH; the thread serving FUSE
     requests keeps the default policy (bucketfs/workers.py says why). A read starts no
-    obstore runtime (tokio threads): its GET is libcurl's, on that thread."""
+    obstore runtime (tokio threads): its GET is libcurl's, on that thread. A mount of
+    its own: a worker thread idle for 10 s ends, and the mount's start runs one."""
+    url, env, args, _ = remote
+    with mounted(f"{url}/data", tmp_path / "mnt", *args, env=env) as mount:
+        check_thread_policies(mount)
+
+
+def check_thread_policies(mount: Path) -> None:
     assert (mount / "train/cls1/img0.jpg").read_bytes() == OBJECTS["data/train/cls1/img0.jpg"]
     pid = daemon_pid(mount)
     policies: dict[str, set[int]] = {}

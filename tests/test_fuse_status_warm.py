@@ -207,10 +207,10 @@ def test_ctrl_c_stops_the_warm_job_and_the_mount_serves_on(counted, tmp_path):
             else:
                 raise AssertionError(f"the warm job did not progress: {jobs}")
             warm.send_signal(signal.SIGINT)
-            _, err = warm.communicate(timeout=30)
+            out, err = warm.communicate(timeout=30)
         finally:
             warm.kill()
-        assert warm.returncode == 130, err
+        assert warm.returncode == 130, (out, err)
         assert "interrupted: stopping warm job 1" in err and "stopped:" in err, err
         (job,) = status(target(mnt))["warm"]
         assert job["state"] == "cancelled" and job["done"]

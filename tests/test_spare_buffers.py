@@ -4,10 +4,13 @@ change; through libcurl's GETs (the test server of test_curl_gets) and the RAM t
 
 from __future__ import annotations
 
+import mmap
 import threading
 
+import pytest
 import trio
 
+from bucketfs import huge_buffers
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.ram import RamTier
 from bucketfs.prefetch.eviction import make_policy
@@ -129,9 +132,16 @@ def test_the_ram_tier_offers_what_it_evicts() -> None:
     assert spare_buffers.reused == before + 1
 
 
-def test_a_get_fills_a_spare_buffer_and_never_one_still_read(server) -> None:  # noqa: F811
+@pytest.mark.parametrize("huge", [False, True])
+def test_a_get_fills_a_spare_buffer_and_never_one_still_read(
+        server, monkeypatch, huge) -> None:  # noqa: F811
     """A large GET's body lands in the buffer of a block let go, and a block someone
-    still reads keeps its bytes while later GETs run."""
+    still reads keeps its bytes while later GETs run; in a bytearray, or in a mapping
+    of huge pages (huge_buffers.py, on from MIN_SIZE here so that the test server's
+    body takes that path)."""
+    if huge:
+        monkeypatch.setattr(huge_buffers.settings, "enabled", True)
+        monkeypatch.setattr(huge_buffers, "HUGE_PAGE", MIN_SIZE)
     endpoint, _ = server
     client = gets(endpoint)
     length = MIN_SIZE + 5
@@ -140,6 +150,7 @@ def test_a_get_fills_a_spare_buffer_and_never_one_still_read(server) -> None:  #
         spare_buffers.let_go_if_idle()
         spare_buffers.let_go_if_idle()  # start with none
         first = await client.get_range("obj", VERSION, 0, length)
+        assert type(first.obj) is (mmap.mmap if huge else bytearray) and first.readonly
         still_read = await client.get_range("obj", VERSION, 7, length)
         kept = bytes(still_read)
         spare_buffers.offer(first)
@@ -157,3 +168,20 @@ def test_a_get_fills_a_spare_buffer_and_never_one_still_read(server) -> None:  #
 
     trio.run(main)
     client.close()
+
+
+def test_a_huge_page_buffer_is_kept_and_taken_again_only_when_idle(monkeypatch) -> None:
+    monkeypatch.setattr(huge_buffers.settings, "enabled", True)
+    pool = pool_taking(SIZE)
+    buffer = pool.take(SIZE)
+    assert type(buffer) is mmap.mmap and len(buffer) == SIZE
+    block = memoryview(buffer).toreadonly()
+    del buffer
+    reply = block[10:20]
+    pool.offer(block)
+    del block
+    assert pool.spare_bytes == SIZE
+    assert pool.take(SIZE) is not reply.obj
+    spare = id(reply.obj)
+    del reply
+    assert id(pool.take(SIZE)) == spare

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import pycurl
 import trio
 
-from bucketfs.spare_buffers import spare_buffers
+from bucketfs.spare_buffers import Buffer, spare_buffers
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,11 @@ class Transfer:
     error: int = 0
     message: str = ""
     _task: trio.lowlevel.Task | None = None
-    _buffer: bytearray | None = None
+    _buffer: Buffer | None = None
     _view: memoryview | None = None
     _filled: int = 0
 
-    def take_body(self) -> bytes | bytearray:
+    def take_body(self) -> bytes | Buffer:
         """The body, once: the pieces are let go (the handle, kept for the next GET,
         still refers to the list)."""
         if self._buffer is not None:

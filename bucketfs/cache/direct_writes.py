@@ -6,8 +6,9 @@ tier and the mount's own page cache already hold the block. `O_DIRECT` hands the
 buffer's pages to the device instead: no copy and no page cache to fill and reclaim.
 
 Direct I/O wants each piece's memory address, file offset and length aligned. The GET
-client's buffer starts wherever its allocator put it (a few bytes past a page boundary,
-for a glibc mmap), so the file is laid out to match it: the header is padded until the
+client's buffer starts wherever its allocator put it (a few bytes past a page boundary
+for a bytearray from glibc's mmap, on one for a mapping of huge pages from
+huge_buffers.py), so the file is laid out to match it: the header is padded until the
 data's file offset falls at the same place within a page as its address. Then all but
 the data's first and last partial pages go straight from the buffer; those two, with the
 header, are copied into small page-aligned buffers of their own; the file is cut to its

@@ -15,8 +15,11 @@ per 100 KB block buffered, 0.405-0.45 direct: docs/BENCHMARKS.md, after step 20)
 they are read as before.
 
 Direct I/O wants the buffer, the offset and the length aligned: the buffer is a private
-anonymous mmap (page-aligned; not Python's default shared one: `private_pages` says
-why), the read starts at 0 and asks for whole pages. Where the
+anonymous mmap (page-aligned; not Python's default shared one: direct_writes.py's
+`private_pages` says why), where huge pages are on placed so that the data, which
+starts in the file's second page, lies in whole huge pages (huge_buffers.py: the read
+pins 2 MiB pages, not 512 of 4 KiB each), and the read starts at 0 and asks for whole
+pages. Where the
 filesystem refuses (`EINVAL`: tmpfs before Linux 6.6, some FUSE or network
 filesystems), the file is read through the page cache instead.
 """
@@ -28,7 +31,7 @@ import mmap
 import os
 from pathlib import Path
 
-from bucketfs.cache.direct_writes import private_pages
+from bucketfs import huge_buffers
 
 _PAGE = mmap.PAGESIZE
 
@@ -59,8 +62,8 @@ def read_whole(path: Path, *, direct: bool = True) -> memoryview:
 
 def _read_direct(fd: int) -> memoryview:
     size = os.fstat(fd).st_size
-    buffer = private_pages(max(_PAGE, -(-size // _PAGE) * _PAGE))
-    view = memoryview(buffer)
+    # A block file's data starts in its second page (block_files.py's padding).
+    view = huge_buffers.read_from(max(_PAGE, -(-size // _PAGE) * _PAGE), _PAGE)
     got = 0
     while got < size:
         # Whole pages from a page boundary; only the end of the file reads short.

@@ -1,0 +1,140 @@
+"""Large block buffers in whole transparent huge pages: one fault per 2 MiB, not 512.
+
+Why: every page of fresh memory costs a fault on its first touch. glibc's huge-page
+advice (huge_pages.py) covers only about half of a 4 MiB block, whose mapping is a page
+longer than 4 MiB and not 2 MiB-aligned. A private anonymous mapping of exactly the
+block's size is aligned by the kernel (Linux 6.7 on, for lengths that are multiples of
+2 MiB) and, advised `MADV_HUGEPAGE`, is two huge pages. Two users:
+
+- A large GET's body (`fresh`, through spare_buffers.py): a mapping of exactly its
+  length.
+- The SSD tier's direct reads (`read_from`). A block file's data starts in the file's
+  second page, so that page is placed just below a 2 MiB boundary and only the data
+  advised (advised, the header's 2 MiB range would be a huge page of its own).
+
+Where freed memory stays with the machine (bare metal, most cloud VMs), a cold 1 GiB
+read cost 2.49 -> 1.99 CPU-s per GiB and a read from the SSD tier 1.68 -> 1.03. But a
+VM whose host takes freed memory back (virtio-balloon free page reporting, in blocks of
+2 MiB and up) hands out every fresh huge page unbacked, and the host faults in its 512
+pages one by one, where 4 KiB pages come from memory freed moments before: there both
+reads cost more and varied widely (docs/BENCHMARKS.md, step 37). So
+`huge_buffers = "auto"` (the default) turns them on unless the host takes freed memory
+back; "always" and "never" decide for the user.
+
+Huge pages hold no more memory than the block: a GET's mapping is its length rounded to
+whole pages, a tail block under 2 MiB gets ordinary pages, and a read's extra 2 MiB is
+never touched. Where the kernel gives no huge pages, the advice is refused or ignored
+and the buffers are ordinary memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import mmap
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 * 1024 * 1024
+_PAGE = mmap.PAGESIZE
+_ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
+#: virtio's balloon device, and its feature bit VIRTIO_BALLOON_F_REPORTING.
+_BALLOON, _REPORTING = "0x0005", 5
+#: The order of a huge page in 4 KiB pages: free page reporting from it or below hands
+#: huge pages back to the host.
+_HUGE_ORDER = 9
+
+__all__ = ["HUGE_PAGE", "fresh", "host_takes_freed_memory", "read_from", "settings"]
+
+
+class _Settings:
+    #: Whether large blocks get huge pages (mount.py sets it from the option).
+    enabled: bool = False
+
+
+settings = _Settings()
+
+
+def _private(size: int) -> mmap.mmap:
+    # Private: Python's default anonymous mmap is shared memory, which the kernel backs
+    # with shmem pages, never huge ones here (direct_writes.private_pages says more).
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _advise(memory: mmap.mmap, start: int, length: int) -> None:
+    if _ADVICE is None or length < HUGE_PAGE:
+        return
+    # A kernel without transparent huge pages refuses: ordinary pages then.
+    with contextlib.suppress(OSError):
+        memory.madvise(_ADVICE, start, length)
+
+
+def fresh(size: int) -> mmap.mmap:
+    """A buffer of `size` bytes for a GET's body, advised huge. Its length is `size`
+    exactly (the kernel maps whole pages): a body is handed out as a view of all of it,
+    and a longer buffer would be sliced, that is copied."""
+    memory = _private(size)
+    _advise(memory, 0, size)
+    return memory
+
+
+def read_from(size: int, lead: int) -> memoryview:
+    """`size` bytes of page-aligned memory, for a direct read of a file whose data starts
+    `lead` bytes in (a multiple of the page size). Where huge pages are on and the data
+    fills one, the bytes from `lead` start on a 2 MiB boundary, advised huge: the
+    mapping then reaches 2 MiB past what is handed out, a part nothing touches, which
+    holds no memory."""
+    rounded = -(-size // _PAGE) * _PAGE
+    if not settings.enabled or rounded - lead < HUGE_PAGE:
+        return memoryview(_private(rounded))
+    memory = _private(rounded + HUGE_PAGE)
+    skip = -(_address(memory) + lead) % HUGE_PAGE
+    _advise(memory, skip + lead, (rounded - lead) // HUGE_PAGE * HUGE_PAGE)
+    return memoryview(memory)[skip:skip + size]
+
+
+def _address(memory: mmap.mmap) -> int:
+    first = ctypes.c_char.from_buffer(memory)  # an export of the mapping, let go here
+    try:
+        return ctypes.addressof(first)
+    finally:
+        del first
+
+
+def host_takes_freed_memory(sys_root: Path = Path("/sys")) -> bool:
+    """Whether this machine's host takes back the memory its guest frees, in blocks a
+    huge page comes from: a virtio balloon reporting free pages, from 2 MiB or less."""
+    order_file = sys_root / "module/page_reporting/parameters/page_reporting_order"
+    try:
+        order = int(order_file.read_text())
+    except (OSError, ValueError):
+        return False  # no free page reporting in this kernel
+    if not 0 <= order <= _HUGE_ORDER:
+        return False
+    for device in (sys_root / "bus/virtio/devices").glob("*"):
+        try:
+            if (device / "device").read_text().strip() != _BALLOON:
+                continue
+            features = (device / "features").read_text().strip()
+        except OSError:
+            continue
+        if len(features) > _REPORTING and features[_REPORTING] == "1":
+            return True
+    return False
+
+
+def choose(option: str, sys_root: Path = Path("/sys")) -> bool:
+    """Whether large blocks get huge pages, for the `huge_buffers` option; logged once."""
+    if option == "auto":
+        taken_back = host_takes_freed_memory(sys_root)
+        settings.enabled = not taken_back
+        why = ("the host takes freed memory back (free page reporting)" if taken_back
+               else "freed memory stays with this machine")
+    else:
+        settings.enabled = option == "always"
+        why = f"huge_buffers = {option}"
+    log.info("large block buffers in huge pages: %s (%s)",
+             "yes" if settings.enabled else "no", why)
+    return settings.enabled
