@@ -46,7 +46,7 @@ _BALLOON, _REPORTING = "0x0005", 5
 #: huge pages back to the host.
 _HUGE_ORDER = 9
 
-__all__ = ["HUGE_PAGE", "fresh", "host_takes_freed_memory", "read_from", "settings"]
+__all__ = ["HUGE_PAGE", "choose", "fresh", "host_takes_freed_memory", "read_from", "settings"]
 
 
 class _Settings:
