@@ -30,15 +30,15 @@ and the buffers are ordinary memory.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import mmap
 from pathlib import Path
 
+from bucketfs.cache.direct_writes import address_of, private_pages
+
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 * 1024 * 1024
-_PAGE = mmap.PAGESIZE
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
 #: virtio's balloon device, and its feature bit VIRTIO_BALLOON_F_REPORTING.
 _BALLOON, _REPORTING = "0x0005", 5
@@ -57,12 +57,6 @@ class _Settings:
 settings = _Settings()
 
 
-def _private(size: int) -> mmap.mmap:
-    # Private: Python's default anonymous mmap is shared memory, which the kernel backs
-    # with shmem pages, never huge ones here (direct_writes.private_pages says more).
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-
-
 def _advise(memory: mmap.mmap, start: int, length: int) -> None:
     if _ADVICE is None or length < HUGE_PAGE:
         return
@@ -75,32 +69,23 @@ def fresh(size: int) -> mmap.mmap:
     """A buffer of `size` bytes for a GET's body, advised huge. Its length is `size`
     exactly (the kernel maps whole pages): a body is handed out as a view of all of it,
     and a longer buffer would be sliced, that is copied."""
-    memory = _private(size)
+    memory = private_pages(size)  # not shared memory, which gets no huge pages here
     _advise(memory, 0, size)
     return memory
 
 
 def read_from(size: int, lead: int) -> memoryview:
-    """`size` bytes of page-aligned memory, for a direct read of a file whose data starts
-    `lead` bytes in (a multiple of the page size). Where huge pages are on and the data
-    fills one, the bytes from `lead` start on a 2 MiB boundary, advised huge: the
-    mapping then reaches 2 MiB past what is handed out, a part nothing touches, which
-    holds no memory."""
-    rounded = -(-size // _PAGE) * _PAGE
-    if not settings.enabled or rounded - lead < HUGE_PAGE:
-        return memoryview(_private(rounded))
-    memory = _private(rounded + HUGE_PAGE)
-    skip = -(_address(memory) + lead) % HUGE_PAGE
-    _advise(memory, skip + lead, (rounded - lead) // HUGE_PAGE * HUGE_PAGE)
+    """`size` bytes of page-aligned memory (a direct read asks for whole pages: the
+    caller rounds), for a file whose data starts `lead` bytes in (a multiple of the
+    page size). Where huge pages are on and the data fills one, the bytes from `lead`
+    start on a 2 MiB boundary, advised huge: the mapping then reaches 2 MiB past what
+    is handed out, a part nothing touches, which holds no memory."""
+    if not settings.enabled or size - lead < HUGE_PAGE:
+        return memoryview(private_pages(size))
+    memory = private_pages(size + HUGE_PAGE)
+    skip = -(address_of(memory) + lead) % HUGE_PAGE
+    _advise(memory, skip + lead, (size - lead) // HUGE_PAGE * HUGE_PAGE)
     return memoryview(memory)[skip:skip + size]
-
-
-def _address(memory: mmap.mmap) -> int:
-    first = ctypes.c_char.from_buffer(memory)  # an export of the mapping, let go here
-    try:
-        return ctypes.addressof(first)
-    finally:
-        del first
 
 
 def host_takes_freed_memory(sys_root: Path = Path("/sys")) -> bool:
