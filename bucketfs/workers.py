@@ -30,21 +30,21 @@ only (docs/BENCHMARKS.md, step 15). Threads keep trio's names
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Generic, TypeVar
 
+import outcome
 import trio
-
-if TYPE_CHECKING:
-    import outcome
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+A = TypeVar("A")
 
 _thread = threading.local()
 
@@ -107,3 +107,79 @@ async def take_slot(limiter: trio.CapacityLimiter) -> object:
 
 def _wait_for_the_thread(_: object) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.FAILED
+
+
+class Batches(Generic[A, T]):
+    """Calls of one blocking function, made by worker threads in batches: `call(arg)`
+    queues its argument and waits; a worker thread makes queued calls one after another
+    until `batch` are made or none is queued, then hands every result back to the trio
+    thread with one wakeup. Under many concurrent callers (readers missing RAM at once)
+    one thread hop then serves several calls, where `in_worker` makes one hop, one
+    limiter slot and two wakeups per call.
+
+    At most `threads` worker threads at once. A thread starts when the first call is
+    queued, and another while fewer than `threads` run and at least `batch` calls wait;
+    when a batch ends with calls still queued, the next starts at once. Each call's
+    exception (or result) goes to its caller alone. As with `in_worker`, a caller
+    cancelled while its call is queued or made waits for it. Trio thread only, but for
+    the worker threads' own part."""
+
+    def __init__(self, fn: Callable[[A], T], *, threads: int, batch: int = 8) -> None:
+        if threads < 1 or batch < 1:
+            raise ValueError("a batch needs at least one thread and one call")
+        self.fn = fn
+        self.threads = threads
+        self.batch = batch
+        #: (argument, waiting task); the trio thread appends, worker threads pop (a
+        #: deque's append and popleft are atomic).
+        self._queued: collections.deque[tuple[A, trio.lowlevel.Task]] = collections.deque()
+        self._running = 0
+        #: Batches made, and calls made in them (the mean batch, for tests and metrics).
+        self.batches = 0
+        self.calls = 0
+
+    async def call(self, arg: A) -> T:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._queued.append((arg, trio.lowlevel.current_task()))
+        if self._running == 0 or (
+                self._running < self.threads and len(self._queued) >= self.batch):
+            self._start()
+        return await trio.lowlevel.wait_task_rescheduled(_wait_for_the_thread)  # type: ignore[no-any-return]
+
+    def _start(self) -> None:
+        self._running += 1
+        token = trio.lowlevel.current_trio_token()
+
+        def deliver(made: outcome.Outcome[list[tuple[trio.lowlevel.Task, outcome.Outcome[T]]]],
+                    ) -> None:
+            token.run_sync_soon(self._finished, made)
+
+        trio.lowlevel.start_thread_soon(functools.partial(_call, self._make_batch, ()),
+                                        deliver)
+
+    def _make_batch(self) -> list[tuple[trio.lowlevel.Task, outcome.Outcome[T]]]:
+        """In a worker thread: up to `batch` queued calls, each result captured."""
+        made = []
+        while len(made) < self.batch:
+            try:
+                arg, task = self._queued.popleft()
+            except IndexError:
+                break
+            made.append((task, outcome.capture(self.fn, arg)))
+        return made
+
+    def _finished(self, made: outcome.Outcome[list[tuple[trio.lowlevel.Task,
+                                                          outcome.Outcome[T]]]]) -> None:
+        """In the trio thread (a callback of `run_sync_soon`, which must not raise):
+        every caller of the batch gets its result; another batch starts while calls are
+        queued."""
+        self._running -= 1
+        if isinstance(made, outcome.Error):  # _make_batch captures every call's error
+            log.error("a batch of worker calls failed", exc_info=made.error)
+        else:
+            self.batches += 1
+            self.calls += len(made.value)
+            for task, result in made.value:
+                trio.lowlevel.reschedule(task, result)
+        if self._queued and self._running < self.threads:
+            self._start()

@@ -155,6 +155,33 @@ def test_ram_evictions_demote_to_ssd_and_a_reopened_cache_needs_no_get(tmp_path)
     assert h.backend.calls["get"] == 40, "a reopened cache went back to the origin"
 
 
+def test_concurrent_ssd_hits_are_exact_and_share_thread_hops(tmp_path):
+    """Readers that miss RAM together get their blocks from the SSD tier in batches
+    (workers.Batches): every byte its own file's, no GET, fewer hops than blocks."""
+    objects = dataset(40)
+    h = Harness(objects, ram=64 * MiB, disk=64 * MiB, directory=tmp_path / "cache")
+    h.run(h.read_all)
+    hops: list[tuple[int, int]] = []
+
+    async def read_together(cache):
+        got: dict[str, bytes] = {}
+
+        async def reader(key: str) -> None:
+            got[key] = await cache.get(h.ref(key), 0)
+
+        async with trio.open_nursery() as nursery:
+            for key in objects:
+                nursery.start_soon(reader, key)
+        assert got == objects
+        assert cache.stats.disk_hits == 40
+        hops.append((cache.disk_reads.batches, cache.disk_reads.calls))
+
+    h.run(read_together)
+    assert h.backend.calls["get"] == 40, "a hit on the SSD tier went to the origin"
+    batches, calls = hops[0]
+    assert calls == 40 and batches <= 40 // 8 + 4
+
+
 def test_ssd_budget_holds_under_twice_its_size(tmp_path):
     objects = dataset(60)  # ~6 MiB
     h = Harness(objects, ram=512 * KiB, disk=3 * MiB, directory=tmp_path / "cache")

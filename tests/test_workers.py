@@ -10,7 +10,7 @@ import threading
 import pytest
 import trio
 
-from bucketfs.workers import in_worker, run_as_background_thread
+from bucketfs.workers import Batches, in_worker, run_as_background_thread
 
 
 def policy() -> int:
@@ -119,3 +119,90 @@ def test_a_task_holding_a_slot_may_still_call_a_worker_under_that_limiter():
             return await in_worker(lambda: limiter.borrowed_tokens, limiter=limiter)
 
     assert trio.run(main) == 2
+
+
+def test_batches_give_each_caller_its_own_value_or_exception():
+    def invert(x: int) -> float:
+        return 1 / x
+
+    async def main() -> dict[int, object]:
+        batches = Batches(invert, threads=2, batch=4)
+        seen: dict[int, object] = {}
+
+        async def caller(x: int) -> None:
+            try:
+                seen[x] = await batches.call(x)
+            except ZeroDivisionError as exc:
+                seen[x] = exc
+
+        async with trio.open_nursery() as nursery:
+            for x in range(-10, 11):
+                nursery.start_soon(caller, x)
+        return seen
+
+    seen = trio.run(main)
+    assert set(seen) == set(range(-10, 11))
+    assert isinstance(seen.pop(0), ZeroDivisionError)
+    assert all(value == 1 / x for x, value in seen.items())
+
+
+def test_concurrent_calls_share_hops_within_the_thread_bound():
+    """Calls queued while a batch is made are made together, at most `batch` per hop,
+    and never more than `threads` threads at once."""
+    running, peak = 0, 0
+    lock = threading.Lock()
+    gate = threading.Event()
+
+    def work(x: int) -> int:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        gate.wait(5)
+        with lock:
+            running -= 1
+        return x
+
+    async def main() -> Batches[int, int]:
+        batches = Batches(work, threads=2, batch=8)
+        async with trio.open_nursery() as nursery:
+            for x in range(40):
+                nursery.start_soon(batches.call, x)
+            await trio.sleep(0.05)  # every call queued behind the first ones
+            gate.set()
+        return batches
+
+    batches = trio.run(main)
+    assert batches.calls == 40
+    assert peak == 2
+    # Eight calls to a batch at most (five batches), and no more than one batch short
+    # of eight (the first thread's ends when the queue is empty): not 40 hops.
+    assert 5 <= batches.batches <= 6
+
+
+def test_a_cancelled_batch_caller_waits_for_its_call():
+    """As with in_worker: the call is made and waited for, and the cancellation is
+    seen at the caller's next checkpoint."""
+    finished = threading.Event()
+
+    def slow(_: None) -> str:
+        threading.Event().wait(0.2)
+        finished.set()
+        return "done"
+
+    async def main() -> tuple[bool, object, bool]:
+        batches = Batches(slow, threads=1)
+        got: object = None
+        with trio.move_on_after(0.02) as scope:
+            got = await batches.call(None)
+            await trio.lowlevel.checkpoint()
+        return scope.cancelled_caught, got, finished.is_set()
+
+    assert trio.run(main) == (True, "done", True)
+
+
+def test_batch_workers_run_under_sched_batch():
+    async def main() -> int:
+        return await Batches(lambda _: policy(), threads=1).call(None)
+
+    assert trio.run(main) == os.SCHED_BATCH

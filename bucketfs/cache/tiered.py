@@ -40,7 +40,7 @@ from bucketfs.cache.ram import RamTier
 from bucketfs.cache.shared import SharedTier
 from bucketfs.cache.tier import CacheEvents, Hit, Tier
 from bucketfs.tasks import failed
-from bucketfs.workers import in_worker
+from bucketfs.workers import Batches, in_worker
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ _WRITERS = 2
 _FULL_BLOCKS = 40
 _FULL_BYTES = 3584 * 1024
 _LINGER_S = 0.05
+#: SSD lookups one worker thread makes per hop (workers.Batches).
+_READ_BATCH = 8
 
 
 @dataclass(slots=True)
@@ -108,6 +110,9 @@ class BlockCache:
         self.block_size = block_size
         self.nursery = nursery
         self.disk_limiter = trio.CapacityLimiter(disk_threads)
+        #: The read path's SSD lookups, in batches (one thread hop for several).
+        self.disk_reads: Batches[BlockId, Hit | None] = Batches(
+            self._read_disk, threads=disk_threads, batch=_READ_BATCH)
         self.inflight: dict[BlockId, _Flight] = {}
         #: Fetched, not yet on SSD: flush() must not lose these.
         self.writing: dict[BlockId, tuple[bytes, float]] = {}
@@ -189,6 +194,12 @@ class BlockCache:
             return True
         return self.disk is not None and self.disk.holds(block)
 
+    def _read_disk(self, block: BlockId) -> Hit | None:
+        """The SSD tier's lookup of a block a reader wants (worker thread), with what
+        follows it in its chunk, up to a quarter of the RAM tier."""
+        assert self.disk is not None
+        return self.disk.get(block, self.ram.capacity // 4)
+
     def keeps_in_ram(self, size: int) -> bool:
         """Whether a block of `size` bytes fits the RAM tier at all (one larger is read
         but not kept, so it must not be fetched ahead)."""
@@ -204,8 +215,7 @@ class BlockCache:
             return data
         # One index read here spares a cold miss the hop to a worker thread.
         if self.disk is not None and self.disk.holds(block):
-            hit = await in_worker(self.disk.get, block, self.ram.capacity // 4,
-                                  limiter=self.disk_limiter)
+            hit = await self.disk_reads.call(block)
             if hit is not None:
                 self.stats.disk_hits += 1
                 self.stats.disk_bytes_served += len(hit.data)
