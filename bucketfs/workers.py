@@ -109,77 +109,112 @@ def _wait_for_the_thread(_: object) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.FAILED
 
 
-class Batches(Generic[A, T]):
-    """Calls of one blocking function, made by worker threads in batches: `call(arg)`
-    queues its argument and waits; a worker thread makes queued calls one after another
-    until `batch` are made or none is queued, then hands every result back to the trio
-    thread with one wakeup. Under many concurrent callers (readers missing RAM at once)
-    one thread hop then serves several calls, where `in_worker` makes one hop, one
-    limiter slot and two wakeups per call.
+class CallQueue(Generic[A, T]):
+    """Calls of one blocking function from the trio thread, served by at most `threads`
+    worker threads that go on with each other's queued calls and hand results back in
+    shared wakeups: where `in_worker` costs every call a thread hop, a limiter slot and
+    two wakeups, a busy queue costs a call an append and a share of one wakeup.
 
-    At most `threads` worker threads at once. A thread starts when the first call is
-    queued, and another while fewer than `threads` run and at least `batch` calls wait;
-    when a batch ends with calls still queued, the next starts at once. Each call's
-    exception (or result) goes to its caller alone. As with `in_worker`, a caller
-    cancelled while its call is queued or made waits for it. Trio thread only, but for
-    the worker threads' own part."""
+    `call(arg)` starts a worker thread for its call while fewer than `threads` run (as
+    many calls in flight as with a limiter of that count: a thread never waits behind
+    another's call), and otherwise queues it. A thread that finishes a call takes the
+    next queued one, and leaves when none is queued. Each result goes back as soon as
+    its call returns: appended to a list, with a callback for the trio thread scheduled
+    only if none is pending, so results that finish while the trio thread is busy go
+    back together. Each call's exception (or result) goes to its caller alone. As with
+    `in_worker`, a caller cancelled while its call is queued or made waits for it.
+    Trio thread only, but for the worker threads' own part."""
 
-    def __init__(self, fn: Callable[[A], T], *, threads: int, batch: int = 8) -> None:
-        if threads < 1 or batch < 1:
-            raise ValueError("a batch needs at least one thread and one call")
+    def __init__(self, fn: Callable[[A], T], *, threads: int) -> None:
+        if threads < 1:
+            raise ValueError("a call queue needs at least one thread")
         self.fn = fn
         self.threads = threads
-        self.batch = batch
-        #: (argument, waiting task); the trio thread appends, worker threads pop (a
+        #: (argument, waiting task): the trio thread appends, worker threads pop (a
         #: deque's append and popleft are atomic).
         self._queued: collections.deque[tuple[A, trio.lowlevel.Task]] = collections.deque()
+        #: Threads started and not yet known (on the trio thread) to have left.
         self._running = 0
-        #: Batches made, and calls made in them (the mean batch, for tests and metrics).
-        self.batches = 0
+        #: Shared with the worker threads, under `_lock`: results not yet handed back,
+        #: threads that left since, and whether a hand-back callback is scheduled.
+        self._lock = threading.Lock()
+        self._done: list[tuple[trio.lowlevel.Task, outcome.Outcome[T]]] = []
+        self._left = 0
+        self._wake_pending = False
+        self._token: trio.lowlevel.TrioToken | None = None
+        #: Threads started and calls made (their ratio: calls per thread hop).
+        self.hops = 0
         self.calls = 0
 
     async def call(self, arg: A) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
-        self._queued.append((arg, trio.lowlevel.current_task()))
-        if self._running == 0 or (
-                self._running < self.threads and len(self._queued) >= self.batch):
-            self._start()
+        job = (arg, trio.lowlevel.current_task())
+        if self._running < self.threads:
+            self._start(job)
+        else:
+            self._queued.append(job)
         return await trio.lowlevel.wait_task_rescheduled(_wait_for_the_thread)  # type: ignore[no-any-return]
 
-    def _start(self) -> None:
+    def _start(self, job: tuple[A, trio.lowlevel.Task]) -> None:
+        if self._token is None:
+            self._token = trio.lowlevel.current_trio_token()
         self._running += 1
-        token = trio.lowlevel.current_trio_token()
+        self.hops += 1
+        trio.lowlevel.start_thread_soon(functools.partial(_call, self._serve, (job,)),
+                                        _left_the_thread)
 
-        def deliver(made: outcome.Outcome[list[tuple[trio.lowlevel.Task, outcome.Outcome[T]]]],
-                    ) -> None:
-            token.run_sync_soon(self._finished, made)
+    def _serve(self, job: tuple[A, trio.lowlevel.Task]) -> None:
+        """In a worker thread: this call, then every queued one, each result handed
+        back as it comes; the last one together with the thread's leaving."""
+        result = None
+        try:
+            while True:
+                arg, task = job
+                result = (task, outcome.capture(self.fn, arg))
+                try:
+                    job = self._queued.popleft()
+                except IndexError:
+                    break
+                self._hand_back(result)
+                result = None
+        finally:
+            self._hand_back(result, leaving=True)
 
-        trio.lowlevel.start_thread_soon(functools.partial(_call, self._make_batch, ()),
-                                        deliver)
+    def _hand_back(self, result: tuple[trio.lowlevel.Task, outcome.Outcome[T]] | None, *,
+                   leaving: bool = False) -> None:
+        with self._lock:
+            if result is not None:
+                self._done.append(result)
+            self._left += leaving
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:
+            assert self._token is not None
+            self._token.run_sync_soon(self._deliver)
 
-    def _make_batch(self) -> list[tuple[trio.lowlevel.Task, outcome.Outcome[T]]]:
-        """In a worker thread: up to `batch` queued calls, each result captured."""
-        made = []
-        while len(made) < self.batch:
-            try:
-                arg, task = self._queued.popleft()
-            except IndexError:
-                break
-            made.append((task, outcome.capture(self.fn, arg)))
-        return made
-
-    def _finished(self, made: outcome.Outcome[list[tuple[trio.lowlevel.Task,
-                                                          outcome.Outcome[T]]]]) -> None:
+    def _deliver(self) -> None:
         """In the trio thread (a callback of `run_sync_soon`, which must not raise):
-        every caller of the batch gets its result; another batch starts while calls are
-        queued."""
-        self._running -= 1
-        if isinstance(made, outcome.Error):  # _make_batch captures every call's error
-            log.error("a batch of worker calls failed", exc_info=made.error)
-        else:
-            self.batches += 1
-            self.calls += len(made.value)
-            for task, result in made.value:
-                trio.lowlevel.reschedule(task, result)
-        if self._queued and self._running < self.threads:
-            self._start()
+        every result handed back since the last time, to its caller; threads that left
+        are replaced while calls are queued."""
+        with self._lock:
+            done, self._done = self._done, []
+            left, self._left = self._left, 0
+            self._wake_pending = False
+        self.calls += len(done)
+        for task, result in done:
+            trio.lowlevel.reschedule(task, result)
+        self._running -= left
+        # A call queued while every thread was busy, whose thread then found the queue
+        # empty and left: start one for it.
+        while self._queued and self._running < self.threads:
+            try:
+                job = self._queued.popleft()
+            except IndexError:  # a running thread took it meanwhile
+                break
+            self._start(job)
+
+
+def _left_the_thread(result: outcome.Outcome[None]) -> None:
+    """trio's callback when a `CallQueue` thread's work ends: `_serve` hands every
+    result back itself, and raises only on a bug, which is logged here."""
+    if isinstance(result, outcome.Error):
+        log.error("a worker thread of a call queue failed", exc_info=result.error)

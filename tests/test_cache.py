@@ -156,8 +156,9 @@ def test_ram_evictions_demote_to_ssd_and_a_reopened_cache_needs_no_get(tmp_path)
 
 
 def test_concurrent_ssd_hits_are_exact_and_share_thread_hops(tmp_path):
-    """Readers that miss RAM together get their blocks from the SSD tier in batches
-    (workers.Batches): every byte its own file's, no GET, fewer hops than blocks."""
+    """Readers that miss RAM together get their blocks from the SSD tier through one
+    call queue (workers.CallQueue): every byte its own file's, no GET, and the worker
+    threads going on with queued lookups, so far fewer thread hops than blocks."""
     objects = dataset(40)
     h = Harness(objects, ram=64 * MiB, disk=64 * MiB, directory=tmp_path / "cache")
     h.run(h.read_all)
@@ -174,12 +175,12 @@ def test_concurrent_ssd_hits_are_exact_and_share_thread_hops(tmp_path):
                 nursery.start_soon(reader, key)
         assert got == objects
         assert cache.stats.disk_hits == 40
-        hops.append((cache.disk_reads.batches, cache.disk_reads.calls))
+        hops.append((cache.disk_reads.hops, cache.disk_reads.calls))
 
     h.run(read_together)
     assert h.backend.calls["get"] == 40, "a hit on the SSD tier went to the origin"
-    batches, calls = hops[0]
-    assert calls == 40 and batches <= 40 // 8 + 4
+    threads, calls = hops[0]
+    assert calls == 40 and threads <= 20
 
 
 def test_ssd_budget_holds_under_twice_its_size(tmp_path):

@@ -10,7 +10,7 @@ import threading
 import pytest
 import trio
 
-from bucketfs.workers import Batches, in_worker, run_as_background_thread
+from bucketfs.workers import CallQueue, in_worker, run_as_background_thread
 
 
 def policy() -> int:
@@ -121,17 +121,17 @@ def test_a_task_holding_a_slot_may_still_call_a_worker_under_that_limiter():
     assert trio.run(main) == 2
 
 
-def test_batches_give_each_caller_its_own_value_or_exception():
+def test_a_call_queue_gives_each_caller_its_own_value_or_exception():
     def invert(x: int) -> float:
         return 1 / x
 
     async def main() -> dict[int, object]:
-        batches = Batches(invert, threads=2, batch=4)
+        calls = CallQueue(invert, threads=2)
         seen: dict[int, object] = {}
 
         async def caller(x: int) -> None:
             try:
-                seen[x] = await batches.call(x)
+                seen[x] = await calls.call(x)
             except ZeroDivisionError as exc:
                 seen[x] = exc
 
@@ -146,9 +146,10 @@ def test_batches_give_each_caller_its_own_value_or_exception():
     assert all(value == 1 / x for x, value in seen.items())
 
 
-def test_concurrent_calls_share_hops_within_the_thread_bound():
-    """Calls queued while a batch is made are made together, at most `batch` per hop,
-    and never more than `threads` threads at once."""
+def test_queued_calls_are_made_by_the_running_threads_within_the_bound():
+    """Calls that come while every thread is busy wait in the queue, and the threads
+    take them when their own call returns: 40 calls, two thread hops, never more than
+    two threads at once."""
     running, peak = 0, 0
     lock = threading.Lock()
     gate = threading.Event()
@@ -163,24 +164,50 @@ def test_concurrent_calls_share_hops_within_the_thread_bound():
             running -= 1
         return x
 
-    async def main() -> Batches[int, int]:
-        batches = Batches(work, threads=2, batch=8)
+    async def main() -> tuple[CallQueue[int, int], list[int]]:
+        calls = CallQueue(work, threads=2)
+        got: list[int] = []
+
+        async def caller(x: int) -> None:
+            got.append(await calls.call(x))
+
         async with trio.open_nursery() as nursery:
             for x in range(40):
-                nursery.start_soon(batches.call, x)
-            await trio.sleep(0.05)  # every call queued behind the first ones
+                nursery.start_soon(caller, x)
+            await trio.sleep(0.05)  # every call queued behind the first two
             gate.set()
-        return batches
+        return calls, got
 
-    batches = trio.run(main)
-    assert batches.calls == 40
+    calls, got = trio.run(main)
+    assert sorted(got) == list(range(40)) and calls.calls == 40
     assert peak == 2
-    # Eight calls to a batch at most (five batches), and no more than one batch short
-    # of eight (the first thread's ends when the queue is empty): not 40 hops.
-    assert 5 <= batches.batches <= 6
+    assert calls.hops == 2
 
 
-def test_a_cancelled_batch_caller_waits_for_its_call():
+def test_calls_run_side_by_side_while_threads_are_free():
+    """A call never waits behind another's while fewer than `threads` run (a slow disk
+    keeps its parallel reads): four calls that each wait for the other three finish."""
+    meeting = threading.Barrier(4, timeout=5)
+
+    def meet(_: int) -> int:
+        return meeting.wait()
+
+    async def main() -> list[int]:
+        calls = CallQueue(meet, threads=4)
+        got: list[int] = []
+
+        async def caller(x: int) -> None:
+            got.append(await calls.call(x))
+
+        async with trio.open_nursery() as nursery:
+            for x in range(4):
+                nursery.start_soon(caller, x)
+        return got
+
+    assert sorted(trio.run(main)) == [0, 1, 2, 3]  # each thread's arrival index
+
+
+def test_a_cancelled_queued_caller_waits_for_its_call():
     """As with in_worker: the call is made and waited for, and the cancellation is
     seen at the caller's next checkpoint."""
     finished = threading.Event()
@@ -191,18 +218,18 @@ def test_a_cancelled_batch_caller_waits_for_its_call():
         return "done"
 
     async def main() -> tuple[bool, object, bool]:
-        batches = Batches(slow, threads=1)
+        calls = CallQueue(slow, threads=1)
         got: object = None
         with trio.move_on_after(0.02) as scope:
-            got = await batches.call(None)
+            got = await calls.call(None)
             await trio.lowlevel.checkpoint()
         return scope.cancelled_caught, got, finished.is_set()
 
     assert trio.run(main) == (True, "done", True)
 
 
-def test_batch_workers_run_under_sched_batch():
+def test_call_queue_threads_run_under_sched_batch():
     async def main() -> int:
-        return await Batches(lambda _: policy(), threads=1).call(None)
+        return await CallQueue(lambda _: policy(), threads=1).call(None)
 
     assert trio.run(main) == os.SCHED_BATCH

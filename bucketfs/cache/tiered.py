@@ -40,7 +40,7 @@ from bucketfs.cache.ram import RamTier
 from bucketfs.cache.shared import SharedTier
 from bucketfs.cache.tier import CacheEvents, Hit, Tier
 from bucketfs.tasks import failed
-from bucketfs.workers import Batches, in_worker
+from bucketfs.workers import CallQueue, in_worker
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,6 @@ _WRITERS = 2
 _FULL_BLOCKS = 40
 _FULL_BYTES = 3584 * 1024
 _LINGER_S = 0.05
-#: SSD lookups one worker thread makes per hop (workers.Batches).
-_READ_BATCH = 8
 
 
 @dataclass(slots=True)
@@ -110,9 +108,10 @@ class BlockCache:
         self.block_size = block_size
         self.nursery = nursery
         self.disk_limiter = trio.CapacityLimiter(disk_threads)
-        #: The read path's SSD lookups, in batches (one thread hop for several).
-        self.disk_reads: Batches[BlockId, Hit | None] = Batches(
-            self._read_disk, threads=disk_threads, batch=_READ_BATCH)
+        #: The read path's SSD lookups: readers that miss RAM together share thread
+        #: hops and wakeups (workers.CallQueue).
+        self.disk_reads: CallQueue[BlockId, Hit | None] = CallQueue(
+            self._read_disk, threads=disk_threads)
         self.inflight: dict[BlockId, _Flight] = {}
         #: Fetched, not yet on SSD: flush() must not lose these.
         self.writing: dict[BlockId, tuple[bytes, float]] = {}
