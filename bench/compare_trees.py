@@ -1,6 +1,6 @@
 """What a change does to the daemon's CPU per file, against another revision, on a mount:
 
-    python -m bench.compare_trees REV [--rounds 10] [--files 2000] [--out DIR]
+    python -m bench.compare_trees REV [--rounds 10] [--files 2000] [--readers 16] [--out DIR]
     python -m bench.compare_trees REV --large-mib 1024 [--rounds 4]
 
 A shared VM's speed drifts by tens of percent from one minute to the next, more than
@@ -9,7 +9,9 @@ checkout, then REV, then REV, then this checkout, ...), ROUNDS rounds each, agai
 loopback SeaweedFS. REV is checked out into a temporary git worktree with
 `bucketfs/prefetch` and `bucketfs/hints` linked in as the package maps them, so that no
 part of REV's daemon is imported from this checkout. Each round and tree mounts afresh
-(`--cache-dir`, a 2 GiB RAM tier) and reads FILES objects of ~100 KB with 16 threads:
+(`--cache-dir`, a 2 GiB RAM tier) and reads FILES objects of ~100 KB with READERS threads
+(16 by default; fewer readers keep fewer requests waiting, which is where batching
+and queueing in the daemon can cost throughput rather than save CPU):
   - cold: every name looked up, every file fetched and written through to SSD;
   - warm, RAM tier: page cache and dentries dropped, so each file is a LOOKUP and a READ
     served from RAM;
@@ -18,12 +20,19 @@ part of REV's daemon is imported from this checkout. Each round and tree mounts 
   - warm, page cache: the same again, every byte in the page cache, so each file costs
     the daemon only the IOCTL of Python's `open()` (its `isatty()`);
   - warm, SSD tier (remounted): the same cache directory mounted again, the page cache
-    and dentries dropped, so each file is a LOOKUP and a read from the SSD tier;
+    and dentries dropped, so each file is a LOOKUP and a read from the SSD tier, in the
+    order the cold pass wrote them (a read that goes on through a chunk brings the
+    members after it in the same pread, as a chunk packed in the announced order is
+    read);
+  - warm, SSD tier, another order: the same once more in another shuffled order, as an
+    unhinted next epoch reads: each file its own read from the SSD tier;
   - cold, the order sent first: a second fresh mount, the readers' order sent before
     they read, as HintSampler sends it (prefetch ahead of them), the daemon's CPU taken
     once it is idle.
 For each: the daemon's CPU per file (/proc/PID/stat, all threads), its event loop's
-share (the main thread) and its voluntary context switches per file (all live threads:
+share (the main thread), the files read per second (wall time: noisy on a small
+machine, but what a queue that makes readers wait costs) and its voluntary context
+switches per file (all live threads:
 the hand-offs a node with many cores pays most for), medians over the rounds, each
 round's figure kept.
 
@@ -55,9 +64,10 @@ from bench.harness.tree import ROOT
 from tests.servers import S3Server
 
 PASSES = ("cold", "warm, RAM tier", "warm, RAM tier, names listed", "warm, page cache",
-          "warm, SSD tier (remounted)", "cold, the order sent first")
+          "warm, SSD tier (remounted)", "warm, SSD tier, another order",
+          "cold, the order sent first")
 READERS = 16
-MEASURES = ("cpu_ms_per_file", "loop_ms_per_file", "switches_per_file")
+MEASURES = ("cpu_ms_per_file", "loop_ms_per_file", "files_per_s", "switches_per_file")
 LARGE_MEASURES = ("mb_per_s", "cpu_s_per_gib")
 
 
@@ -83,30 +93,36 @@ def worktree(rev: str) -> Iterator[Path]:
 
 
 def one_round(server: S3Server, work: Path, tree: Path, relpaths: list[str],
-              ) -> dict[str, dict[str, float]]:
+              readers: int = READERS) -> dict[str, dict[str, float]]:
     cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
     args = ["--ram-cache", "2GiB", "--metadata-ttl", "forever", "--cache-dir", str(cache)]
     try:
         with Mount(server, work / "mnt", args, tree=tree) as mount:
-            passes = {"cold": mount.read_all(relpaths, READERS)}
+            passes = {"cold": mount.read_all(relpaths, readers)}
             drop_page_cache()
-            passes["warm, RAM tier"] = mount.read_all(relpaths, READERS)
+            passes["warm, RAM tier"] = mount.read_all(relpaths, readers)
             drop_page_cache()
             mount.list_tree(relpaths)
-            passes["warm, RAM tier, names listed"] = mount.read_all(relpaths, READERS)
-            passes["warm, page cache"] = mount.read_all(relpaths, READERS)
+            passes["warm, RAM tier, names listed"] = mount.read_all(relpaths, readers)
+            passes["warm, page cache"] = mount.read_all(relpaths, readers)
         with Mount(server, work / "mnt", args, tree=tree) as mount:  # the same cache
             drop_page_cache()
-            passes["warm, SSD tier (remounted)"] = mount.read_all(relpaths, READERS)
+            passes["warm, SSD tier (remounted)"] = mount.read_all(relpaths, readers)
+        reshuffled = list(relpaths)
+        random.Random(6).shuffle(reshuffled)
+        with Mount(server, work / "mnt", args, tree=tree) as mount:
+            drop_page_cache()
+            passes["warm, SSD tier, another order"] = mount.read_all(reshuffled, readers)
         shutil.rmtree(cache)  # every pass starts cold, on its own
         cache.mkdir()
         with Mount(server, work / "mnt", args, tree=tree) as mount:
             passes["cold, the order sent first"] = mount.read_all(
-                relpaths, READERS, begin=lambda: mount.send_order(relpaths), idle=True)
+                relpaths, readers, begin=lambda: mount.send_order(relpaths), idle=True)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     return {name: {"cpu_ms_per_file": row["cpu_ms_per_file"],
                    "loop_ms_per_file": row["cpu_ms_per_file_by_thread"]["loop"],
+                   "files_per_s": row["files_per_s"],
                    "switches_per_file": sum(row["switches_per_file_by_thread"].values())}
             for name, row in passes.items()}
 
@@ -133,7 +149,8 @@ def large_round(server: S3Server, work: Path, tree: Path, key: str, large_mib: i
         shutil.rmtree(small, ignore_errors=True)
 
 
-def compare(rev: str, rounds: int, files: int, large_mib: int = 0) -> dict[str, Any]:
+def compare(rev: str, rounds: int, files: int, large_mib: int = 0,
+            readers: int = READERS) -> dict[str, Any]:
     runs: dict[str, list[dict[str, dict[str, float]]]] = {"this tree": [], rev: []}
     passes, measures = (large_passes(large_mib), LARGE_MEASURES) if large_mib \
         else (PASSES, MEASURES)
@@ -147,7 +164,7 @@ def compare(rev: str, rounds: int, files: int, large_mib: int = 0) -> dict[str, 
             for name, tree in trees if round_ % 2 == 0 else trees[::-1]:
                 runs[name].append(
                     large_round(server, Path(scratch), tree, large, large_mib) if large_mib
-                    else one_round(server, Path(scratch), tree, relpaths))
+                    else one_round(server, Path(scratch), tree, relpaths, readers))
                 print(f"round {round_ + 1}, {name}: " + ", ".join(
                     f"{p} {r[measures[-1]]:.3f}" for p, r in runs[name][-1].items()),
                     flush=True)
@@ -157,7 +174,7 @@ def compare(rev: str, rounds: int, files: int, large_mib: int = 0) -> dict[str, 
                       for p in passes}
                for name, rows in runs.items()}
     return {"rev": rev, "rounds": rounds, "files": files, "large_mib": large_mib,
-            "trees": summary}
+            "readers": readers, "trees": summary}
 
 
 def large_table(results: dict[str, Any]) -> str:
@@ -181,16 +198,20 @@ def table(results: dict[str, Any]) -> str:
     rev = results["rev"]
     trees = results["trees"]
     lines = [f"| pass | {rev}: ms per file (loop) | this tree: ms per file (loop) "
+             f"| {rev}: files/s | this tree: files/s "
              f"| {rev}: context switches per file | this tree: context switches per file |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in PASSES:
         cells = [f"{t[p]['cpu_ms_per_file']['median']:.3f} "
                  f"({t[p]['loop_ms_per_file']['median']:.3f})"
                  for t in (trees[rev], trees["this tree"])]
+        cells += [f"{t[p]['files_per_s']['median']:,.0f}"
+                  for t in (trees[rev], trees["this tree"])]
         cells += [f"{t[p]['switches_per_file']['median']:.2f}"
                   for t in (trees[rev], trees["this tree"])]
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + f"\n\nMedians of {results['rounds']} interleaved rounds.\n"
+    return "\n".join(lines) + (f"\n\nMedians of {results['rounds']} interleaved rounds, "
+                               f"{results.get('readers', READERS)} readers.\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("rev", help="the revision to compare this checkout with")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--files", type=int, default=2000)
+    parser.add_argument("--readers", type=int, default=READERS,
+                        help="threads reading the small files at once")
     parser.add_argument("--large-mib", type=int, default=0,
                         help="compare the cold read of one object this large instead")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    results = compare(args.rev, args.rounds, args.files, args.large_mib)
+    results = compare(args.rev, args.rounds, args.files, args.large_mib, args.readers)
     text = table(results)
     print(text, end="")
     save_results(args.out, "compare-trees", results, text)

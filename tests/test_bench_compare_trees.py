@@ -12,10 +12,11 @@ from bench.harness.tree import ROOT
 
 
 def test_both_trees_are_measured_for_every_pass_and_the_worktree_goes(tmp_path, capsys):
-    assert compare_trees.main(["HEAD", "--files", "100", "--rounds", "1",
+    assert compare_trees.main(["HEAD", "--files", "100", "--rounds", "1", "--readers", "4",
                                "--out", str(tmp_path)]) == 0
     saved = json.loads(next(tmp_path.glob("compare-trees-*.json")).read_text())
     assert set(saved["trees"]) == {"this tree", "HEAD"}
+    assert saved["readers"] == 4
     for tree in saved["trees"].values():
         assert list(tree) == list(compare_trees.PASSES)
         assert tree["cold"]["cpu_ms_per_file"]["median"] > 0  # 100 GETs: ticks counted
@@ -23,7 +24,9 @@ def test_both_trees_are_measured_for_every_pass_and_the_worktree_goes(tmp_path, 
         for row in tree.values():  # /proc counts 10 ms ticks: a warm pass may count none
             assert len(row["cpu_ms_per_file"]["rounds"]) == 1
             assert row["loop_ms_per_file"]["median"] >= 0
-    assert "| cold |" in capsys.readouterr().out
+            assert row["files_per_s"]["median"] > 0
+    printed = capsys.readouterr().out
+    assert "| cold |" in printed and "4 readers" in printed
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"],
                                capture_output=True, text=True, check=True).stdout
     assert "bucketfs-rev-" not in worktrees
