@@ -53,7 +53,7 @@ def _idle_count(spare: deque[Buffer]) -> int:
     raise AssertionError("unreachable")
 
 
-_BUFFER_TYPES = (bytearray, mmap.mmap)
+_BUFFER_TYPES = Buffer.__args__
 _IDLE_REFS = _idle_count(deque([bytearray(1)]))
 _EXACT_COUNTS: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
 

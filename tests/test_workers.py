@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import trio
@@ -121,26 +123,32 @@ def test_a_task_holding_a_slot_may_still_call_a_worker_under_that_limiter():
     assert trio.run(main) == 2
 
 
+async def call_each(calls: CallQueue[int, Any], args: range,
+                    meanwhile: Callable[[], Awaitable[None]] | None = None,
+                    ) -> dict[int, object]:
+    """Each of `args` through `calls`, from a task of its own: its value, or what it
+    raised. `meanwhile` runs once every task has started."""
+    got: dict[int, object] = {}
+
+    async def caller(x: int) -> None:
+        try:
+            got[x] = await calls.call(x)
+        except Exception as exc:
+            got[x] = exc
+
+    async with trio.open_nursery() as nursery:
+        for x in args:
+            nursery.start_soon(caller, x)
+        if meanwhile is not None:
+            await meanwhile()
+    return got
+
+
 def test_a_call_queue_gives_each_caller_its_own_value_or_exception():
     def invert(x: int) -> float:
         return 1 / x
 
-    async def main() -> dict[int, object]:
-        calls = CallQueue(invert, threads=2)
-        seen: dict[int, object] = {}
-
-        async def caller(x: int) -> None:
-            try:
-                seen[x] = await calls.call(x)
-            except ZeroDivisionError as exc:
-                seen[x] = exc
-
-        async with trio.open_nursery() as nursery:
-            for x in range(-10, 11):
-                nursery.start_soon(caller, x)
-        return seen
-
-    seen = trio.run(main)
+    seen = trio.run(call_each, CallQueue(invert, threads=2), range(-10, 11))
     assert set(seen) == set(range(-10, 11))
     assert isinstance(seen.pop(0), ZeroDivisionError)
     assert all(value == 1 / x for x, value in seen.items())
@@ -164,22 +172,13 @@ def test_queued_calls_are_made_by_the_running_threads_within_the_bound():
             running -= 1
         return x
 
-    async def main() -> tuple[CallQueue[int, int], list[int]]:
-        calls = CallQueue(work, threads=2)
-        got: list[int] = []
+    async def open_the_gate() -> None:
+        await trio.sleep(0.05)  # every call queued behind the first two
+        gate.set()
 
-        async def caller(x: int) -> None:
-            got.append(await calls.call(x))
-
-        async with trio.open_nursery() as nursery:
-            for x in range(40):
-                nursery.start_soon(caller, x)
-            await trio.sleep(0.05)  # every call queued behind the first two
-            gate.set()
-        return calls, got
-
-    calls, got = trio.run(main)
-    assert sorted(got) == list(range(40)) and calls.calls == 40
+    calls = CallQueue(work, threads=2)
+    got = trio.run(call_each, calls, range(40), open_the_gate)
+    assert sorted(got.values()) == list(range(40)) and calls.calls == 40
     assert peak == 2
     assert calls.hops == 2
 
@@ -192,19 +191,8 @@ def test_calls_run_side_by_side_while_threads_are_free():
     def meet(_: int) -> int:
         return meeting.wait()
 
-    async def main() -> list[int]:
-        calls = CallQueue(meet, threads=4)
-        got: list[int] = []
-
-        async def caller(x: int) -> None:
-            got.append(await calls.call(x))
-
-        async with trio.open_nursery() as nursery:
-            for x in range(4):
-                nursery.start_soon(caller, x)
-        return got
-
-    assert sorted(trio.run(main)) == [0, 1, 2, 3]  # each thread's arrival index
+    got = trio.run(call_each, CallQueue(meet, threads=4), range(4))
+    assert sorted(got.values()) == [0, 1, 2, 3]  # each thread's arrival index
 
 
 def test_a_cancelled_queued_caller_waits_for_its_call():
