@@ -9,6 +9,8 @@ headers, presigned-URL query parameters). Lines are text, or one JSON object eac
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -19,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from bucketfs.private import open_private_log
+from bucketfs.private import UnsafePath, open_private_log
 
 _SECRET_ENV = (
     "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID",
@@ -121,12 +123,57 @@ def held_back(count: int) -> str:
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class PrivateLogFile(logging.StreamHandler):  # type: ignore[type-arg]
+    """Appends to the log file at `path`, opened as `open_private_log` opens it (our own
+    regular file, never through a link). When the path stops naming that file (logrotate
+    renamed or removed it), the next line opens the path afresh: rotation needs no
+    signal and no copytruncate. If the new file cannot be opened safely (a link planted
+    there, a file of another user), lines go on to the file already open."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._identity = (0, 0)
+        super().__init__(self._open())
+
+    def _open(self) -> io.TextIOWrapper:
+        stream = os.fdopen(open_private_log(self.path), "a", buffering=1)
+        info = os.fstat(stream.fileno())
+        self._identity = (info.st_dev, info.st_ino)
+        return stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._follow_rotation()  # under the handler's lock, as `emit` is
+        super().emit(record)
+
+    def _follow_rotation(self) -> None:
+        try:
+            info = os.stat(self.path, follow_symlinks=False)
+            if (info.st_dev, info.st_ino) == self._identity:
+                return
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return  # cannot tell: keep the file that is open
+        old_identity = self._identity
+        try:
+            stream = self._open()
+        except (UnsafePath, OSError):
+            return
+        old = self.setStream(stream)
+        if old is not None:
+            old.close()
+        # A background daemon's stderr is the log too (what Python itself prints, a
+        # fatal error's traceback): it follows.
+        with contextlib.suppress(OSError):
+            err = os.fstat(2)
+            if (err.st_dev, err.st_ino) == old_identity:
+                os.dup2(stream.fileno(), 2)
+
+
 def setup_logging(level: str, log_file: str | None, log_format: str = "text") -> None:
     handler: logging.Handler
     if log_file:
-        # Opened without following a link, and only if it is our own file (private.py).
-        stream = os.fdopen(open_private_log(os.path.abspath(log_file)), "a", buffering=1)
-        handler = logging.StreamHandler(stream)
+        handler = PrivateLogFile(os.path.abspath(log_file))
     else:
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json"

@@ -123,6 +123,38 @@ def test_log_level_warning_leaves_out_info(source, tmp_path):
     assert read_log(log) == ""  # nothing went wrong: not one line
 
 
+def said(path: Path, start: str) -> bool:
+    """Whether a line of the text log at `path` has a message that starts so."""
+    return any(line.split(": ", 1)[-1].startswith(start)
+               for line in read_log(path).splitlines())
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_rotated_log_is_opened_afresh_never_through_a_link(source, tmp_path, planted):
+    """As logrotate rotates (the log renamed; without `copytruncate` or a signal), the
+    daemon's next lines go to a new private file at the log's path. A link planted
+    there instead is not followed: the lines go on to the renamed file."""
+    log, rotated, elsewhere = tmp_path / "mnt.log", tmp_path / "mnt.log.1", tmp_path / "x"
+    with mounted(f"file://{source}", tmp_path / "mnt") as mnt:
+        assert (mnt / "d" / "f.txt").read_text() == "hello\n"
+        deadline = time.monotonic() + 30
+        while not said(log, "mounted "):
+            assert time.monotonic() < deadline, read_log(log)
+            time.sleep(0.05)
+        log.rename(rotated)
+        if planted:
+            elsewhere.write_text("")
+            log.symlink_to(elsewhere)
+    assert said(rotated, "mounted ")
+    if planted:
+        assert log.is_symlink() and elsewhere.read_text() == ""
+        assert said(rotated, "unmounted ")
+    else:
+        assert said(log, "unmounted ") and not said(rotated, "unmounted ")
+        assert (log.stat().st_mode & 0o777) == 0o600
+
+
 @pytest.mark.fuse
 def test_foreground_logs_json_to_stderr(source, tmp_path):
     mnt = tmp_path / "mnt"
