@@ -162,12 +162,13 @@ class PrivateLogFile(logging.StreamHandler):  # type: ignore[type-arg]
         old = self.setStream(stream)
         if old is not None:
             old.close()
-        # A background daemon's stderr is the log too (what Python itself prints, a
-        # fatal error's traceback): it follows.
-        with contextlib.suppress(OSError):
-            err = os.fstat(2)
-            if (err.st_dev, err.st_ino) == old_identity:
-                os.dup2(stream.fileno(), 2)
+        # A background daemon's stdout and stderr are the log too (what Python or
+        # libfuse print themselves, a fatal error's traceback): they follow.
+        for fd in (1, 2):
+            with contextlib.suppress(OSError):
+                info = os.fstat(fd)
+                if (info.st_dev, info.st_ino) == old_identity:
+                    os.dup2(stream.fileno(), fd)
 
 
 def setup_logging(level: str, log_file: str | None, log_format: str = "text") -> None:

@@ -155,6 +155,31 @@ def test_a_rotated_log_is_opened_afresh_never_through_a_link(source, tmp_path, p
         assert (log.stat().st_mode & 0o777) == 0o600
 
 
+_ROTATING = """
+import logging, os, sys
+from bucketfs.logs import setup_logging
+from bucketfs.private import open_private_log
+log, rotated = sys.argv[1:]
+os.dup2(open_private_log(log), 2)  # as `bucketfs mount` hands its daemon the log
+setup_logging("info", log)
+logging.getLogger("t").info("before")
+os.rename(log, rotated)
+logging.getLogger("t").info("after")
+os.write(2, b"printed to stderr\\n")
+"""
+
+
+def test_the_daemons_stderr_follows_its_rotated_log(tmp_path):
+    """What the daemon prints itself (stderr: a fatal traceback, libfuse's lines) goes
+    to the new log after a rotation, as its logged lines do."""
+    log, rotated = tmp_path / "x.log", tmp_path / "x.log.1"
+    subprocess.run([sys.executable, "-c", _ROTATING, str(log), str(rotated)], check=True,
+                   cwd=Path(__file__).parent.parent)
+    assert said(rotated, "before") and not said(rotated, "after")
+    assert said(log, "after") and "printed to stderr" in read_log(log)
+    assert "printed to stderr" not in read_log(rotated)
+
+
 @pytest.mark.fuse
 def test_foreground_logs_json_to_stderr(source, tmp_path):
     mnt = tmp_path / "mnt"
