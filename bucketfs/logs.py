@@ -133,6 +133,8 @@ class PrivateLogFile(logging.StreamHandler):  # type: ignore[type-arg]
     def __init__(self, path: str) -> None:
         self.path = path
         self._identity = (0, 0)
+        #: A rotated log could not be opened, and the open file says so (once).
+        self._refused = False
         super().__init__(self._open())
 
     def _open(self) -> io.TextIOWrapper:
@@ -157,8 +159,15 @@ class PrivateLogFile(logging.StreamHandler):  # type: ignore[type-arg]
         old_identity = self._identity
         try:
             stream = self._open()
-        except (UnsafePath, OSError):
+        except (UnsafePath, OSError) as exc:
+            if not self._refused:
+                self._refused = True
+                self.stream.write(self.format(logging.LogRecord(
+                    __name__, logging.WARNING, __file__, 0,
+                    "cannot open the rotated log %s (%s); writing on to this file",
+                    (self.path, exc), None)) + self.terminator)
             return
+        self._refused = False
         old = self.setStream(stream)
         if old is not None:
             old.close()

@@ -150,6 +150,8 @@ def test_a_rotated_log_is_opened_afresh_never_through_a_link(source, tmp_path, p
     if planted:
         assert log.is_symlink() and elsewhere.read_text() == ""
         assert said(rotated, "unmounted ")
+        assert said(rotated, f"cannot open the rotated log {log} (the log file {log} is a "
+                             "link; remove it); writing on to this file")
     else:
         assert said(log, "unmounted ") and not said(rotated, "unmounted ")
         assert (log.stat().st_mode & 0o777) == 0o600
