@@ -132,19 +132,22 @@ class PrivateLogFile(logging.StreamHandler):  # type: ignore[type-arg]
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._identity = (0, 0)
+        stream, self._identity = self._open()
         #: A rotated log could not be opened, and the open file says so (once).
         self._refused = False
-        super().__init__(self._open())
+        super().__init__(stream)
 
-    def _open(self) -> io.TextIOWrapper:
+    def _open(self) -> tuple[io.TextIOWrapper, tuple[int, int]]:
+        """The log at `path`, and its (device, inode)."""
         stream = os.fdopen(open_private_log(self.path), "a", buffering=1)
         info = os.fstat(stream.fileno())
-        self._identity = (info.st_dev, info.st_ino)
-        return stream
+        return stream, (info.st_dev, info.st_ino)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self._follow_rotation()  # under the handler's lock, as `emit` is
+        try:
+            self._follow_rotation()  # under the handler's lock, as `emit` is
+        except Exception:  # a full disk, say: handled as a failed write, never raised
+            self.handleError(record)
         super().emit(record)
 
     def _follow_rotation(self) -> None:
@@ -158,7 +161,7 @@ class PrivateLogFile(logging.StreamHandler):  # type: ignore[type-arg]
             return  # cannot tell: keep the file that is open
         old_identity = self._identity
         try:
-            stream = self._open()
+            stream, identity = self._open()
         except (UnsafePath, OSError) as exc:
             if not self._refused:
                 self._refused = True
@@ -168,7 +171,12 @@ class PrivateLogFile(logging.StreamHandler):  # type: ignore[type-arg]
                     (self.path, exc), None)) + self.terminator)
             return
         self._refused = False
-        old = self.setStream(stream)
+        try:
+            old = self.setStream(stream)  # flushes the old one: a full disk may refuse
+        except BaseException:
+            stream.close()
+            raise
+        self._identity = identity
         if old is not None:
             old.close()
         # A background daemon's stdout and stderr are the log too (what Python or

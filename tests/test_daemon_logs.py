@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from bucketfs.logs import REDACTED, JsonFormatter, RedactingFilter, Throttle, held_back, redact
+from bucketfs.logs import (
+    REDACTED,
+    JsonFormatter,
+    PrivateLogFile,
+    RedactingFilter,
+    Throttle,
+    held_back,
+    redact,
+)
 from bucketfs.runtime import mounted as mount_entry
 from tests.mounting import daemon_pid, force_unmount, mounted, read_log
 
@@ -180,6 +188,36 @@ def test_the_daemons_stderr_follows_its_rotated_log(tmp_path):
     assert said(rotated, "before") and not said(rotated, "after")
     assert said(log, "after") and "printed to stderr" in read_log(log)
     assert "printed to stderr" not in read_log(rotated)
+
+
+def test_a_log_that_cannot_be_switched_never_fails_the_caller(tmp_path, monkeypatch):
+    """A full disk when a rotation is followed (the old file's flush fails) is a failed
+    write, as logging handles one, not an exception in the daemon's code; the next
+    line follows the rotation."""
+    log, rotated = tmp_path / "x.log", tmp_path / "x.log.1"
+    handler = PrivateLogFile(str(log))
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("bucketfs.test.rotation")
+    logger.addHandler(handler)
+    logger.propagate = False
+    monkeypatch.setattr(logging, "raiseExceptions", False)
+    try:
+        logger.warning("before")
+        log.rename(rotated)
+        flush = handler.stream.flush
+
+        def full(*_: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        handler.stream.flush = full
+        logger.warning("refused")  # raises nothing
+        handler.stream.flush = flush
+        logger.warning("after")
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    assert "before" in rotated.read_text() and "after" in log.read_text()
+    assert "after" not in rotated.read_text()
 
 
 @pytest.mark.fuse
