@@ -128,7 +128,11 @@ class PrivateLogFile(logging.StreamHandler):  # type: ignore[type-arg]
     regular file, never through a link). When the path stops naming that file (logrotate
     renamed or removed it), the next line opens the path afresh: rotation needs no
     signal and no copytruncate. If the new file cannot be opened safely (a link planted
-    there, a file of another user), lines go on to the file already open."""
+    there, a file of another user), lines go on to the file already open.
+
+    The check is `logging.handlers.WatchedFileHandler`'s, but that handler's stat
+    follows links and it closes the old file before it opens the new one, so a refused
+    open would lose the lines; and it cannot take the daemon's stdout and stderr along."""
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -5,6 +5,7 @@ at once, not retried. AWS itself is out of reach here."""
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 import threading
 from collections.abc import Iterator
@@ -41,11 +42,8 @@ def tls_server(tmp_path) -> Iterator[tuple[str, str, Behaviour]]:
 
 def test_a_get_over_https_verifies_the_server_against_the_named_ca(tls_server):
     endpoint, bundle, behaviour = tls_server
-    client = gets(endpoint, ca_file=bundle)  # type: ignore[arg-type]
-    try:
+    with contextlib.closing(gets(endpoint, ca_file=bundle)) as client:  # type: ignore[arg-type]
         data = trio.run(client.get_range, "obj", VERSION, 1000, 99_000)
-    finally:
-        client.close()
     assert bytes(data) == BODY[1000:100_000]
     assert behaviour.requests == ["/obj"]
 
@@ -54,12 +52,9 @@ def test_a_server_no_trusted_ca_signed_is_refused_and_not_retried(tls_server):
     """certifi's bundle (the default) does not hold the test's CA: a permanent error
     (BackendError, not TransientError), and no request reaches the server."""
     endpoint, _, behaviour = tls_server
-    client = gets(endpoint)
-    try:
-        with pytest.raises(BackendError, match=r"request failed \(curl error 60") as failure:
-            trio.run(client.get_range, "obj", VERSION, 0, 100)
-    finally:
-        client.close()
+    with contextlib.closing(gets(endpoint)) as client, \
+            pytest.raises(BackendError, match=r"request failed \(curl error 60") as failure:
+        trio.run(client.get_range, "obj", VERSION, 0, 100)
     assert not isinstance(failure.value, TransientError)
     assert behaviour.requests == []
 
@@ -71,11 +66,9 @@ def test_s3_gets_over_https_trust_the_bundle_in_aws_ca_bundle(tls_server, monkey
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
     monkeypatch.setenv("AWS_CA_BUNDLE", bundle)
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    backend = S3Backend("data", BackendSettings(endpoint_url=endpoint, region="eu-west-3",
-                                                addressing_style="path"))
-    try:
+    settings = BackendSettings(endpoint_url=endpoint, region="eu-west-3",
+                               addressing_style="path")
+    with contextlib.closing(S3Backend("data", settings)) as backend:
         data = trio.run(backend.async_get_range, "a b/c.jpg", VERSION, 5, 4096)
-    finally:
-        backend.close()
     assert bytes(data) == BODY[5:4101]
     assert behaviour.requests == ["/data/a%20b/c.jpg"]
