@@ -52,7 +52,7 @@ class ReadSettings:
 
 
 class OpenFile:
-    __slots__ = ("last", "next_block", "obj", "window")
+    __slots__ = ("last", "next_block", "obj", "run_end", "run_start", "window")
 
     def __init__(self, obj: ObjectRef, settings: ReadSettings, *,
                  one_block: bool = False) -> None:
@@ -68,6 +68,8 @@ class OpenFile:
         #: smaller than a block): the kernel's next read of the same block must not
         #: fetch it again.
         self.last: tuple[int, bytes] | None = None
+        #: The bytes read without a gap since the last jump: [run_start, run_end).
+        self.run_start = self.run_end = 0
 
 
 class Reader:
@@ -130,11 +132,18 @@ class Reader:
             handle.next_block = needed.stop  # a seek: read-ahead starts over from here
         else:
             self._read_ahead(handle, max(handle.next_block, needed.stop), plan.fetch_until)
+        if handle.run_start <= offset <= handle.run_end:
+            handle.run_end = max(handle.run_end, end)
+        else:
+            handle.run_start, handle.run_end = offset, end
+        run_start = handle.run_start
         chunks = []
         for index in needed:
             start = index * self.block_size
             block = memoryview(await self._block(handle, index))
             chunks.append(block[max(offset, start) - start:min(end, start + len(block)) - start])
+            if run_start <= start and end >= start + len(block):
+                self.cache.read_through(obj, index)  # read from its start to its end
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _block(self, handle: OpenFile, index: int) -> bytes:

@@ -156,6 +156,9 @@ class MountStatus:
                 "name": tier.name, "used": tier.used, "capacity": tier.capacity,
                 "evictions": tier.evictions, "hits": hits, "served_bytes": served_bytes,
             }
+            if tier is self.cache.ram:
+                # Blocks read to their end by a pass, let go once the SSD tier had them.
+                entry["released"] = stats.ram_released
             if tier is disk:
                 entry |= {"writable": disk.writable, "writes": stats.disk_writes,
                           "write_queue_bytes": self.cache.queued,

@@ -22,6 +22,7 @@ from tests.mounting import (
     metrics,
     mounted,
     sha256_file,
+    status_json,
     written_through,
 )
 
@@ -221,3 +222,29 @@ def test_unwritable_cache_dir_means_ram_only_with_a_warning(counted, tmp_path):
         bucketfs("umount", str(mnt))
         force_unmount(mnt)
         subprocess.run(["umount", "-l", str(readonly)], check=False)
+
+
+def test_a_large_file_read_through_leaves_the_ram_tier_to_the_rest(counted, tmp_path):
+    """The 9 MiB object read front to back through a 14 MiB RAM tier that holds the 120
+    images (7.7 MiB): its blocks leave RAM as they are read (the page cache and the SSD
+    tier hold them), so the images are still in RAM afterwards. Kept, the object's
+    blocks would push images out to the SSD tier."""
+    proxy, env = counted
+    args = ("--addressing-style", "path", "--cache-dir", str(tmp_path / "cache"),
+            "--block-size", "1MiB", "--ram-cache", "14MiB", "--readahead-max", "2MiB",
+            "--disk-free-floor", "0")
+    images = {name: data for name, data in FILES.items() if name.startswith("train/")}
+    with mounted("s3://cached", tmp_path / "mnt", *args, env=env) as mnt:
+        for name, data in images.items():
+            assert (mnt / name).read_bytes() == data, name
+        assert (mnt / "big/blob.bin").read_bytes() == FILES["big/blob.bin"]
+        written_through(mnt)
+        before = status_json(mnt)["cache"]
+        drop_page_cache()
+        for name, data in images.items():
+            assert (mnt / name).read_bytes() == data, name
+        after = status_json(mnt)["cache"]
+    ram, ssd = (after["tiers"][i]["hits"] - before["tiers"][i]["hits"] for i in (0, 1))
+    assert (ram, ssd) == (120, 0)
+    assert before["tiers"][0]["released"] == 10  # nine 1 MiB blocks and a 5-byte tail
+    assert object_gets(proxy) == 120 + 10

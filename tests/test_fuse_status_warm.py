@@ -125,6 +125,7 @@ def test_status_agrees_with_metrics_and_with_what_the_origin_saw(counted, tmp_pa
     ram, ssd = cache["tiers"]
     assert ram["capacity"] == 2 * MiB and ram["evictions"] > 0 and ssd["hits"] > 0
     assert ssd["writable"] and ssd["writes"] == scrape["bucketfs_cache_ssd_writes_total"]
+    assert ram["released"] == scrape["bucketfs_cache_ram_released_total"]
     assert report["prefetch"]["readahead"]["prefetches"] == \
         scrape["bucketfs_readahead_prefetches_total"]
     assert report["errors"]["background_failures"] == \

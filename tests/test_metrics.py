@@ -94,8 +94,12 @@ def test_scrape_reports_the_counters_of_cache_store_and_reader(tmp_path):
         while data := await reader.read(big, offset, 64 * KiB):
             offset += len(data)
         await settle(cache, reader)
-        # RAM holds all of the above; one more block evicts (once all is on SSD, so
-        # nothing evicted is read again while its write-through is under way).
+        # Read from start to end and on SSD: the big object's blocks left RAM. Brought
+        # back from SSD, RAM holds all of the above; one more block evicts (once all is
+        # on SSD, so nothing evicted is read again while its write-through is under way).
+        seen["released"] = cache.stats.ram_released
+        for index in range(4):
+            await cache.get(ref(backend, "big"), index)  # SSD hits
         assert cache.ram.evictions == 0
         await cache.get(ref(backend, "small/c"), 0)
         await settle(cache, reader)
@@ -109,8 +113,10 @@ def test_scrape_reports_the_counters_of_cache_store_and_reader(tmp_path):
     gets = backend.calls["get"]
     assert gets == 3 + 1 + 4  # the three small ones, small/b again, big's four blocks
     assert value(registry, "bucketfs_cache_hits_total", tier="ram") >= 1
-    assert value(registry, "bucketfs_cache_hits_total", tier="ssd") == 1
-    assert value(registry, "bucketfs_cache_served_bytes_total", tier="ssd") == 100 * KiB
+    assert value(registry, "bucketfs_cache_hits_total", tier="ssd") == 1 + 4
+    assert value(registry, "bucketfs_cache_served_bytes_total", tier="ssd") == \
+        100 * KiB + len(backend.objects["big"])
+    assert value(registry, "bucketfs_cache_ram_released_total") == seen["released"] == 4
     assert value(registry, "bucketfs_cache_misses_total") == seen["misses"] == 7
     assert value(registry, "bucketfs_origin_requests_total", kind="get") == gets
     assert value(registry, "bucketfs_origin_requests_total", kind="head") == 0

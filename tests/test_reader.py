@@ -11,6 +11,8 @@ import trio
 from bucketfs.backends.base import TransientError, VersionChanged
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
+from bucketfs.cache.blocks import BlockId
+from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.prefetch.eviction import make_policy
@@ -221,3 +223,73 @@ def test_a_ram_tier_smaller_than_a_block_still_gets_each_block_once(ram):
 
     run(main)
     assert backend.calls["get"] == 6 + 1  # 6 blocks of "big", "small" whole
+
+
+def reader_over_ssd(backend, nursery, directory, *, ram=64 * MiB):
+    """A reader whose cache has an SSD tier (1 MiB blocks) in `directory`."""
+    disk = DiskTier(directory, 256 * MiB, make_policy("lru"), source="mem://bucket",
+                    block_size=MiB)
+    store = ObjectStore(backend, max_workers=4, retry=RetryPolicy(1))
+    cache = BlockCache(store, RamTier(ram, make_policy("lru")), disk, block_size=MiB,
+                       nursery=nursery)
+    return Reader(cache, ByteBudget(64 * MiB), ReadSettings(readahead_max=4 * MiB), nursery)
+
+
+async def read_backwards(reader, handle, size):
+    """Back to front in 512 KiB reads: every read a jump, and no block read from its
+    start to its end without one."""
+    parts = []
+    for start in reversed(range(0, size, MiB // 2)):
+        parts.append(await reader.read(handle, start, MiB // 2))
+    return b"".join(reversed(parts))
+
+
+@pytest.mark.parametrize("order", ["front to back", "backwards"])
+@pytest.mark.parametrize("ssd", ["writable", "stepped aside", None])
+def test_blocks_read_front_to_back_leave_ram_once_the_ssd_tier_has_them(tmp_path, ssd, order):
+    # The page cache holds what a pass read, so with an SSD tier the RAM copy of a large
+    # file read through is let go: a large file read once must not push the RAM tier's
+    # other blocks out. Blocks read in pieces out of order, or with no SSD tier, stay.
+    data = blob(10 * MiB + 12345, seed=5)
+    small = blob(200 * KiB, seed=6)
+    backend = MemoryBackend({"big": data, "small": small})
+
+    async def main(nursery):
+        if ssd:
+            reader = reader_over_ssd(backend, nursery, tmp_path / "cache")
+            # Stepped aside (a full device): nothing is written, so RAM keeps it all.
+            reader.cache.disk.writable = ssd == "writable"
+        else:
+            reader = make_reader(backend, nursery)
+        cache = reader.cache
+        handle = reader.open("small", backend.version("small"), len(small))
+        assert await read_all(reader, handle) == small
+        handle = reader.open("big", backend.version("big"), len(data))
+        if order == "front to back":
+            assert await read_all(reader, handle) == data
+        else:
+            assert await read_backwards(reader, handle, len(data)) == data
+        with trio.fail_after(5):  # a block leaves RAM once its write-through is done
+            while cache.queued:
+                await trio.sleep(0.005)
+        big_held = sum(block.key == "big" for block, _, _ in cache.ram.items())
+        released = cache.stats.ram_released
+        if ssd != "writable":
+            assert released == 0 and big_held == 11
+        elif order == "front to back":
+            assert released == 11 and big_held == 0
+            assert cache.ram.used == len(small)
+        else:  # only the 12,345-byte tail block was read whole, in one read
+            assert released == 1 and big_held == 10
+        assert cache.ram.holds(BlockId("small", backend.version("small"), 0, size=len(small)))
+        # Whatever left RAM is still cached: a second pass makes no GET.
+        gets = backend.calls["get"]
+        handle = reader.open("big", backend.version("big"), len(data))
+        assert await read_all(reader, handle) == data
+        assert backend.calls["get"] == gets
+        if ssd:
+            await cache.flush()
+            cache.disk.close()
+
+    run(main)
+    assert backend.calls["get"] == 11 + 1

@@ -64,10 +64,13 @@ class RamTier:
         self.policy.admit(block, len(data), cost)
         return True
 
-    def remove(self, block: BlockId) -> None:
+    def remove(self, block: BlockId, *, offer: bool = True) -> None:
+        """`offer`: give the block's buffer to the spare pool (the caller does it later
+        when the buffer is still in use elsewhere)."""
         data = self._blocks.pop(block, None)
         if data is not None:
             del self._costs[block]
             self.used -= len(data)
             self.policy.remove(block)
-            spare_buffers.offer(data)
+            if offer:
+                spare_buffers.offer(data)

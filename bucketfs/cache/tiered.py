@@ -39,6 +39,7 @@ from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.shared import SharedTier
 from bucketfs.cache.tier import CacheEvents, Hit, Tier
+from bucketfs.spare_buffers import spare_buffers
 from bucketfs.tasks import failed
 from bucketfs.workers import CallQueue, in_worker
 
@@ -77,6 +78,9 @@ class CacheStats:
     disk_read_ahead: int = 0
     shared_hits: int = 0
     shared_bytes_served: int = 0
+    #: Blocks a reader read to their end in a sequential pass, let go from RAM because
+    #: the SSD tier has them (`BlockCache.read_through`).
+    ram_released: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -130,6 +134,9 @@ class BlockCache:
         #: Set (and dropped) whenever a lookup starts: `kept` waits on it, not a clock.
         #: Made by the first waiter, as `_Flight.done` is.
         self._started: trio.Event | None = None
+        #: Blocks read through (`read_through`) while in `writing`: their buffers go to
+        #: the spare pool once the batch is written.
+        self._offer_when_written: set[BlockId] = set()
         self.stats = CacheStats()
 
     @property
@@ -198,6 +205,30 @@ class BlockCache:
         follows it in its chunk, up to a quarter of the RAM tier."""
         assert self.disk is not None
         return self.disk.get(block, self.ram.capacity // 4)
+
+    def read_through(self, obj: ObjectRef, index: int) -> None:
+        """A reader going through the object front to back has read block `index` to its
+        end. The kernel's page cache now holds those bytes, so with an SSD tier that has
+        the block (or is writing it) the RAM copy only serves a reader whose pages the
+        kernel dropped, which the SSD tier serves too: let it go, so that a large file
+        read once does not push every other block out of the RAM tier. Its memory backs
+        a later large GET (spare_buffers.py) instead of fresh pages: offered at once if
+        the block is on SSD, else once its write-through is done (offered before, it is
+        still in use, and no GET could take it). Without an SSD tier the RAM copy is the
+        only one, and stays."""
+        if self.disk is None:
+            return
+        block = BlockId(obj.key, obj.version, index, size=obj.size)
+        if not self.ram.holds(block):
+            return
+        if block in self.writing:
+            self.ram.remove(block, offer=False)
+            self._offer_when_written.add(block)
+        elif self.disk.holds(block):
+            self.ram.remove(block)
+        else:
+            return
+        self.stats.ram_released += 1
 
     def keeps_in_ram(self, size: int) -> bool:
         """Whether a block of `size` bytes fits the RAM tier at all (one larger is read
@@ -346,8 +377,13 @@ class BlockCache:
                 except Exception as exc:  # a bug in the SSD tier: they stay RAM blocks
                     failed("writing blocks to the SSD tier", exc)
                 finally:
-                    for block, *_ in batch:
+                    offer = self._offer_when_written
+                    for block, data, _ in batch:
                         del self.writing[block]
+                        if block in offer:
+                            offer.discard(block)
+                            if not self.ram.holds(block):  # not read into RAM again
+                                spare_buffers.offer(data)
                     self.queued -= size
                     # Wake every waiter; each checks again whether its block fits now.
                     self._room.set()
