@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+from collections.abc import Callable
 from pathlib import Path
 
 from bucketfs.cache.direct_writes import address_of, private_pages
@@ -74,17 +75,29 @@ def fresh(size: int) -> mmap.mmap:
     return memory
 
 
-def read_from(size: int, lead: int) -> memoryview:
+def _no_spare(length: int) -> mmap.mmap | None:
+    return None
+
+
+def read_from(size: int, lead: int,
+              spare: Callable[[int], mmap.mmap | None] = _no_spare) -> memoryview:
     """`size` bytes of page-aligned memory (a direct read asks for whole pages: the
     caller rounds), for a file whose data starts `lead` bytes in (a multiple of the
     page size). Where huge pages are on and the data fills one, the bytes from `lead`
     start on a 2 MiB boundary, advised huge: the mapping then reaches 2 MiB past what
-    is handed out, a part nothing touches, which holds no memory."""
-    if not settings.enabled or size - lead < HUGE_PAGE:
-        return memoryview(private_pages(size))
-    memory = private_pages(size + HUGE_PAGE)
+    is handed out, a part nothing touches, which holds no memory. `spare(length)`: a
+    mapping of that length to use again (one this function made for a read of the same
+    size, as spare_buffers.py keeps them), or None for a fresh one."""
+    huge = settings.enabled and size - lead >= HUGE_PAGE
+    memory = spare(size + HUGE_PAGE if huge else size)
+    fresh = memory is None
+    if memory is None:
+        memory = private_pages(size + HUGE_PAGE if huge else size)
+    if not huge:
+        return memoryview(memory)
     skip = -(address_of(memory) + lead) % HUGE_PAGE
-    _advise(memory, skip + lead, (size - lead) // HUGE_PAGE * HUGE_PAGE)
+    if fresh:  # a mapping used again was advised when it was made
+        _advise(memory, skip + lead, (size - lead) // HUGE_PAGE * HUGE_PAGE)
     return memoryview(memory)[skip:skip + size]
 
 

@@ -65,6 +65,9 @@ Metrics (labels in braces):
   bucketfs_buffers_reused_total               large GETs given the memory of a block the RAM
                                               tier let go (spare_buffers.py)
   bucketfs_buffers_fresh_total                large GETs given fresh memory
+  bucketfs_buffers_read_reused_total          large blocks read from SSD into the mapping of
+                                              a block the RAM tier let go
+  bucketfs_buffers_read_fresh_total           large blocks read from SSD into fresh memory
   bucketfs_buffers_spare_bytes                memory of let-go blocks waiting to be reused
   bucketfs_hints_orders_total                 access orders received on the hints socket
   bucketfs_hints_next_orders_total            next epochs' orders announced ahead
@@ -324,12 +327,16 @@ class MountCollector(Collector):
             ("buffers_reused_total", "Large GETs given the memory of a block the RAM tier "
              "let go.", spare_buffers.reused),
             ("buffers_fresh_total", "Large GETs given fresh memory.", spare_buffers.fresh),
+            ("buffers_read_reused_total", "Large blocks read from SSD into the mapping of "
+             "a block the RAM tier let go.", spare_buffers.reads.reused),
+            ("buffers_read_fresh_total", "Large blocks read from SSD into fresh memory.",
+             spare_buffers.reads.fresh),
         ):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
         yield GaugeMetricFamily(
             PREFIX + "buffers_spare_bytes",
-            "Memory of blocks let go, waiting to be reused by a GET.",
-            value=spare_buffers.spare_bytes)
+            "Memory of blocks let go, waiting to be reused by a GET or a read from SSD.",
+            value=spare_buffers.spare_bytes + spare_buffers.reads.spare_bytes)
 
 
     def _hints(self, prefetch: HintedPrefetch) -> Iterator[Metric]:

@@ -17,18 +17,28 @@ buffer is taken only at that count and of the exact size asked for, so a block s
 being replied from, written to the SSD tier or sent to the shared tier is never touched,
 and a GET overwrites every byte it returns (a short body is refused, curl_gets.py).
 
+The SSD tier's direct reads of large block files (file_reads.py) get the same: a block
+read from SSD is a view of a private mapping that also holds the file's header page, and
+when the RAM tier lets it go the mapping is kept (`SpareMappings`, `reads`) for the next
+read of a file of the same size, whose direct read then lands in pages already faulted
+in (27% of the daemon's CPU reading a 1 GiB object from the SSD tier was faults on fresh
+mappings: docs/BENCHMARKS.md, step 40). Those reads run in worker threads, so that pool
+is under a lock; the idle check holds there too: a worker thread can only drop
+references to a mapping, and nothing makes one from a mapping no view refers to.
+
 Memory: the spare buffers are at most `limit` bytes (the mount sets it to its
 `readahead_max`: a read-ahead window starts that many GETs at once, and its blocks'
 evictions come back together), and `let_go_if_idle`, called every `IDLE_S` seconds,
-drops them all once a period passed without a GET taking or a block offering one. Trio
-thread only. Off where the interpreter runs without the GIL, whose reference counts are
-not exact.
+drops them all once a period passed without a GET taking or a block offering one (and
+the same for the mappings). Trio thread only, but for `SpareMappings.take`. Off where the
+interpreter runs without the GIL, whose reference counts are not exact.
 """
 
 from __future__ import annotations
 
 import mmap
 import sys
+import threading
 from collections import deque
 
 import trio
@@ -58,8 +68,68 @@ _IDLE_REFS = _idle_count(deque([bytearray(1)]))
 _EXACT_COUNTS: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
+class SpareMappings:
+    """Mappings of large blocks read from SSD block files (file_reads.py), let go by the
+    RAM tier, kept for the next direct read of a file of the same size (see the module's
+    doc). `take` runs in the SSD tier's worker threads, `offer` on the trio thread."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._spare: deque[mmap.mmap] = deque()
+        self._lock = threading.Lock()
+        #: The mapping lengths reads asked for: one of another length is never taken.
+        self._sizes: set[int] = set()
+        self._active = False
+        #: Reads given a spare mapping, and given a fresh one.
+        self.reused = 0
+        self.fresh = 0
+
+    def take(self, length: int) -> mmap.mmap | None:
+        """A spare mapping of `length` bytes no one refers to any more, else None (the
+        caller maps fresh memory). Its bytes are whatever it held."""
+        with self._lock:
+            self._active = True
+            if length not in self._sizes:
+                if len(self._sizes) >= 64:
+                    self._sizes.clear()
+                self._sizes.add(length)
+            spare = self._spare
+            for i in range(len(spare)):  # as `_idle_count` measures it
+                mapping = spare[i]
+                if len(mapping) == length and sys.getrefcount(mapping) == _IDLE_REFS:
+                    del spare[i]
+                    self.reused += 1
+                    return mapping
+            self.fresh += 1
+            return None
+
+    def offer(self, mapping: mmap.mmap) -> None:
+        """The mapping of a block the RAM tier let go; kept if reads take that length,
+        the oldest going past `limit` (but one: a mapping is a page or a huge page
+        longer than its block, and a `limit` of one block must still keep one)."""
+        with self._lock:
+            if len(mapping) not in self._sizes:
+                return
+            self._active = True
+            self._spare.append(mapping)
+            while len(self._spare) > 1 and sum(map(len, self._spare)) > self.limit:
+                self._spare.popleft()
+
+    def let_go_if_idle(self) -> None:
+        with self._lock:
+            if not self._active:
+                self._spare.clear()
+            self._active = False
+
+    @property
+    def spare_bytes(self) -> int:
+        return sum(map(len, self._spare))  # one C call: see SpareBuffers.spare_bytes
+
+
 class SpareBuffers:
     def __init__(self, limit: int = 64 * 1024 * 1024) -> None:
+        #: The SSD tier's read mappings, kept as this pool keeps GET buffers.
+        self.reads = SpareMappings(limit)
         self.limit = limit
         self._spare: deque[Buffer] = deque()
         self._active = False
@@ -98,6 +168,9 @@ class SpareBuffers:
         if not _EXACT_COUNTS or type(data) is not memoryview:
             return
         buffer = data.obj
+        if type(buffer) is mmap.mmap and data.nbytes != len(buffer):
+            self.reads.offer(buffer)  # read from SSD: its mapping holds the header too
+            return
         if type(buffer) not in _BUFFER_TYPES or len(buffer) < MIN_SIZE \
                 or len(buffer) not in self._sizes \
                 or data.nbytes != len(buffer) or len(buffer) > self.limit:
@@ -107,11 +180,20 @@ class SpareBuffers:
         while self.spare_bytes > self.limit:
             self._spare.popleft()
 
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @limit.setter
+    def limit(self, limit: int) -> None:
+        self._limit = self.reads.limit = limit
+
     def let_go_if_idle(self) -> None:
         """Drop every spare buffer if nothing took or offered one since the last call."""
         if not self._active:
             self._spare.clear()
         self._active = False
+        self.reads.let_go_if_idle()
 
     @property
     def spare_bytes(self) -> int:

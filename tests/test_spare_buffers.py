@@ -5,12 +5,14 @@ change; through libcurl's GETs (the test server of test_curl_gets) and the RAM t
 from __future__ import annotations
 
 import mmap
+import random
 import threading
 
 import pytest
 import trio
 
 from bucketfs import huge_buffers
+from bucketfs.cache import file_reads
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.ram import RamTier
 from bucketfs.prefetch.eviction import make_policy
@@ -185,3 +187,43 @@ def test_a_huge_page_buffer_is_kept_and_taken_again_only_when_idle(monkeypatch) 
     spare = id(reply.obj)
     del reply
     assert id(pool.take(SIZE)) == spare
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_a_block_read_from_ssd_lands_in_the_mapping_of_one_let_go_never_one_still_read(
+        tmp_path, monkeypatch, huge) -> None:
+    """A large block file read whole (file_reads.py, O_DIRECT) goes into the mapping of a
+    block read so before and let go, once nothing refers to it; a block someone still
+    reads keeps its bytes while later reads run. The data is a view past the file's
+    header page, as the SSD tier hands it out, so the view is not the whole mapping."""
+    if huge:
+        monkeypatch.setattr(huge_buffers.settings, "enabled", True)
+        monkeypatch.setattr(huge_buffers, "HUGE_PAGE", MIN_SIZE)
+    pool = SpareBuffers(64 * MIN_SIZE)
+    monkeypatch.setattr(file_reads, "spare_buffers", pool)
+    page = mmap.PAGESIZE
+    contents = [random.Random(i).randbytes(page + SIZE) for i in range(4)]
+    paths = []
+    for i, content in enumerate(contents):
+        paths.append(tmp_path / f"block{i}")
+        paths[-1].write_bytes(content)
+    first = file_reads.read_whole(paths[0])
+    assert type(first.obj) is mmap.mmap  # read direct, into a mapping of its own
+    data, still_read = first[page:], file_reads.read_whole(paths[1])[page:]
+    kept = bytes(still_read)
+    pool.offer(data)  # as the RAM tier offers what it lets go
+    pool.offer(still_read)
+    assert pool.reads.spare_bytes == 2 * len(first.obj)
+    mapping = id(first.obj)
+    del first, data
+    again = file_reads.read_whole(paths[2])
+    assert id(again.obj) == mapping and pool.reads.reused == 1
+    assert bytes(again) == contents[2]
+    third = file_reads.read_whole(paths[3])
+    assert third.obj is not still_read.obj and pool.reads.fresh == 3
+    assert bytes(still_read) == kept == contents[1][page:]
+    assert bytes(third) == contents[3]
+    # Idle for a period: the spare mappings go.
+    pool.let_go_if_idle()
+    pool.let_go_if_idle()
+    assert pool.reads.spare_bytes == 0

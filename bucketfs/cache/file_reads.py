@@ -9,8 +9,9 @@ from the SSD tier with `dd bs=4M`: 1.02-1.08 -> 0.86-0.90 CPU-s per GiB of daemo
 reads coherent with writes still in its page cache (it writes those back first).
 
 Only files of large blocks are read so (the caller says which): the buffer is an mmap
-of its own, fresh pages each time, where a small file's bytes come from the heap and
-reuse its memory. Small block files read either way cost the same (0.40-0.44 ms of CPU
+of its own (fresh pages, unless the mapping of a block the RAM tier let go is there to
+use again: spare_buffers.py), where a small file's bytes come from the heap and reuse
+its memory. Small block files read either way cost the same (0.40-0.44 ms of CPU
 per 100 KB block buffered, 0.405-0.45 direct: docs/BENCHMARKS.md, after step 20), so
 they are read as before.
 
@@ -32,6 +33,7 @@ import os
 from pathlib import Path
 
 from bucketfs import huge_buffers
+from bucketfs.spare_buffers import spare_buffers
 
 _PAGE = mmap.PAGESIZE
 
@@ -62,8 +64,10 @@ def read_whole(path: Path, *, direct: bool = True) -> memoryview:
 
 def _read_direct(fd: int) -> memoryview:
     size = os.fstat(fd).st_size
-    # A block file's data starts in its second page (block_files.py's padding).
-    view = huge_buffers.read_from(max(_PAGE, -(-size // _PAGE) * _PAGE), _PAGE)
+    # A block file's data starts in its second page (block_files.py's padding). The
+    # mapping of a block the RAM tier let go is used again where one fits.
+    view = huge_buffers.read_from(max(_PAGE, -(-size // _PAGE) * _PAGE), _PAGE,
+                                  spare_buffers.reads.take)
     got = 0
     while got < size:
         # Whole pages from a page boundary; only the end of the file reads short.
