@@ -20,8 +20,8 @@ Metrics (labels in braces):
   bucketfs_cache_capacity_bytes{tier}         byte budget of a tier
   bucketfs_cache_ssd_writes_total             blocks written through to the SSD tier
   bucketfs_cache_ssd_writable                 1 while the SSD tier takes writes, else 0
-  bucketfs_cache_ram_released_total           blocks read from start to end by a reader,
-                                              let go from RAM as the SSD tier has them
+  bucketfs_cache_ram_released_total           blocks a reader read every byte of, let go
+                                              from RAM as the SSD tier has them
   bucketfs_cache_write_queue_bytes            fetched bytes waiting to be written to SSD
   bucketfs_cache_ssd_chunks                   chunk files: small files packed in read order,
                                               or written through together
@@ -199,7 +199,7 @@ class MountCollector(Collector):
                 value=stats.disk_writes)
             yield CounterMetricFamily(
                 PREFIX + "cache_ram_released_total",
-                "Blocks a reader read from start to end, let go from RAM because the SSD "
+                "Blocks a reader read every byte of, let go from RAM because the SSD "
                 "tier has them (the page cache holds the bytes).",
                 value=stats.ram_released)
             yield GaugeMetricFamily(

@@ -51,8 +51,12 @@ class ReadSettings:
     readahead_max: int = 64 * 1024**2
 
 
+#: Blocks whose read bytes a handle counts at once (the oldest count is dropped past it).
+COUNTED_BLOCKS = 64
+
+
 class OpenFile:
-    __slots__ = ("last", "next_block", "obj", "run_end", "run_start", "window")
+    __slots__ = ("last", "next_block", "obj", "read_of_block", "window")
 
     def __init__(self, obj: ObjectRef, settings: ReadSettings, *,
                  one_block: bool = False) -> None:
@@ -68,8 +72,9 @@ class OpenFile:
         #: smaller than a block): the kernel's next read of the same block must not
         #: fetch it again.
         self.last: tuple[int, bytes] | None = None
-        #: The bytes read without a gap since the last jump: [run_start, run_end).
-        self.run_start = self.run_end = 0
+        #: Bytes read so far of the blocks partly read (block index -> bytes): a block
+        #: read to its last byte leaves RAM (`BlockCache.read_through`).
+        self.read_of_block: dict[int, int] = {}
 
 
 class Reader:
@@ -132,19 +137,28 @@ class Reader:
             handle.next_block = needed.stop  # a seek: read-ahead starts over from here
         else:
             self._read_ahead(handle, max(handle.next_block, needed.stop), plan.fetch_until)
-        if handle.run_start <= offset <= handle.run_end:
-            handle.run_end = max(handle.run_end, end)
-        else:
-            handle.run_start, handle.run_end = offset, end
-        run_start = handle.run_start
         chunks = []
         for index in needed:
             start = index * self.block_size
             block = memoryview(await self._block(handle, index))
-            chunks.append(block[max(offset, start) - start:min(end, start + len(block)) - start])
-            if run_start <= start and end >= start + len(block):
-                self.cache.read_through(obj, index)  # read from its start to its end
+            chunk = block[max(offset, start) - start:min(end, start + len(block)) - start]
+            chunks.append(chunk)
+            self._count_read(handle, index, len(chunk), len(block))
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _count_read(self, handle: OpenFile, index: int, length: int, block_length: int,
+                    ) -> None:
+        """Count `length` bytes of block `index` as read; once all its bytes were (the
+        page cache then holds them: a byte read twice counts twice, which at worst lets
+        a block go early), the cache may let its RAM copy go."""
+        counts = handle.read_of_block
+        read = counts.pop(index, 0) + length
+        if read >= block_length:
+            self.cache.read_through(handle.obj, index)
+            return
+        counts[index] = read
+        if len(counts) > COUNTED_BLOCKS:
+            del counts[next(iter(counts))]
 
     async def _block(self, handle: OpenFile, index: int) -> bytes:
         if handle.last is not None and handle.last[0] == index:

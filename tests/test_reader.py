@@ -16,7 +16,7 @@ from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.prefetch.eviction import make_policy
-from bucketfs.reader import ByteBudget, Reader, ReadSettings
+from bucketfs.reader import COUNTED_BLOCKS, ByteBudget, Reader, ReadSettings
 from tests.membackend import MemoryBackend
 
 MiB = 1024**2
@@ -236,20 +236,25 @@ def reader_over_ssd(backend, nursery, directory, *, ram=64 * MiB):
 
 
 async def read_backwards(reader, handle, size):
-    """Back to front in 512 KiB reads: every read a jump, and no block read from its
-    start to its end without one."""
+    """Back to front in 512 KiB reads: every read a jump, every byte read."""
     parts = []
     for start in reversed(range(0, size, MiB // 2)):
         parts.append(await reader.read(handle, start, MiB // 2))
     return b"".join(reversed(parts))
 
 
-@pytest.mark.parametrize("order", ["front to back", "backwards"])
+async def read_first_halves(reader, handle, data):
+    """The first half of each 1 MiB block: no block's second half is read."""
+    for start in range(0, len(data), MiB):
+        assert await reader.read(handle, start, MiB // 2) == data[start:start + MiB // 2]
+
+
+@pytest.mark.parametrize("order", ["front to back", "backwards", "first halves"])
 @pytest.mark.parametrize("ssd", ["writable", "stepped aside", None])
 def test_blocks_read_front_to_back_leave_ram_once_the_ssd_tier_has_them(tmp_path, ssd, order):
     # The page cache holds what a pass read, so with an SSD tier the RAM copy of a large
     # file read through is let go: a large file read once must not push the RAM tier's
-    # other blocks out. Blocks read in pieces out of order, or with no SSD tier, stay.
+    # other blocks out. Blocks not read to their last byte, or with no SSD tier, stay.
     data = blob(10 * MiB + 12345, seed=5)
     small = blob(200 * KiB, seed=6)
     backend = MemoryBackend({"big": data, "small": small})
@@ -267,8 +272,10 @@ def test_blocks_read_front_to_back_leave_ram_once_the_ssd_tier_has_them(tmp_path
         handle = reader.open("big", backend.version("big"), len(data))
         if order == "front to back":
             assert await read_all(reader, handle) == data
-        else:
+        elif order == "backwards":
             assert await read_backwards(reader, handle, len(data)) == data
+        else:
+            await read_first_halves(reader, handle, data)
         with trio.fail_after(5):  # a block leaves RAM once its write-through is done
             while cache.queued:
                 await trio.sleep(0.005)
@@ -276,10 +283,10 @@ def test_blocks_read_front_to_back_leave_ram_once_the_ssd_tier_has_them(tmp_path
         released = cache.stats.ram_released
         if ssd != "writable":
             assert released == 0 and big_held == 11
-        elif order == "front to back":
+        elif order != "first halves":
             assert released == 11 and big_held == 0
             assert cache.ram.used == len(small)
-        else:  # only the 12,345-byte tail block was read whole, in one read
+        else:  # of the 12,345-byte tail block, its first half is all of it
             assert released == 1 and big_held == 10
         assert cache.ram.holds(BlockId("small", backend.version("small"), 0, size=len(small)))
         # Whatever left RAM is still cached: a second pass makes no GET.
@@ -293,3 +300,21 @@ def test_blocks_read_front_to_back_leave_ram_once_the_ssd_tier_has_them(tmp_path
 
     run(main)
     assert backend.calls["get"] == 11 + 1
+
+
+def test_a_handle_counts_the_bytes_read_of_a_bounded_number_of_blocks():
+    # A reader that touches many blocks and finishes none (random small reads of a
+    # large file) holds a count for at most COUNTED_BLOCKS of them, the latest.
+    data = blob(100 * 64 * KiB, seed=7)
+    backend = MemoryBackend({"big": data})
+
+    async def main(nursery):
+        reader = make_reader(backend, nursery, block=64 * KiB)
+        handle = reader.open("big", backend.version("big"), len(data))
+        for index in range(100):
+            start = index * 64 * KiB
+            assert await reader.read(handle, start, 10) == data[start:start + 10]
+        assert list(handle.read_of_block) == list(range(100 - COUNTED_BLOCKS, 100))
+        assert set(handle.read_of_block.values()) == {10}
+
+    run(main)

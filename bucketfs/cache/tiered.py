@@ -78,8 +78,8 @@ class CacheStats:
     disk_read_ahead: int = 0
     shared_hits: int = 0
     shared_bytes_served: int = 0
-    #: Blocks a reader read to their end in a sequential pass, let go from RAM because
-    #: the SSD tier has them (`BlockCache.read_through`).
+    #: Blocks of which a reader read every byte, let go from RAM because the SSD tier
+    #: has them (`BlockCache.read_through`).
     ram_released: int = 0
 
 
@@ -207,15 +207,15 @@ class BlockCache:
         return self.disk.get(block, self.ram.capacity // 4)
 
     def read_through(self, obj: ObjectRef, index: int) -> None:
-        """A reader going through the object front to back has read block `index` to its
-        end. The kernel's page cache now holds those bytes, so with an SSD tier that has
-        the block (or is writing it) the RAM copy only serves a reader whose pages the
-        kernel dropped, which the SSD tier serves too: let it go, so that a large file
-        read once does not push every other block out of the RAM tier. Its memory backs
-        a later large GET (spare_buffers.py) instead of fresh pages: offered at once if
-        the block is on SSD, else once its write-through is done (offered before, it is
-        still in use, and no GET could take it). Without an SSD tier the RAM copy is the
-        only one, and stays."""
+        """A reader has read every byte of block `index` (as one going through the
+        object front to back does). The kernel's page cache now holds them, so with an
+        SSD tier that has the block (or is writing it) the RAM copy only serves a reader
+        whose pages the kernel dropped, which the SSD tier serves too: let it go, so that
+        a large file read once does not push every other block out of the RAM tier. Its
+        memory backs a later large GET (spare_buffers.py) instead of fresh pages:
+        offered at once if the block is on SSD, else once its write-through is done
+        (offered before, it is still in use, and no GET could take it). Without an SSD
+        tier the RAM copy is the only one, and stays."""
         if self.disk is None:
             return
         block = BlockId(obj.key, obj.version, index, size=obj.size)
