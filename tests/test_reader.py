@@ -276,7 +276,7 @@ def test_blocks_read_front_to_back_leave_ram_once_the_ssd_tier_has_them(tmp_path
             assert await read_backwards(reader, handle, len(data)) == data
         else:
             await read_first_halves(reader, handle, data)
-        with trio.fail_after(5):  # a block leaves RAM once its write-through is done
+        with trio.fail_after(5):  # everything written through (the released buffers offered)
             while cache.queued:
                 await trio.sleep(0.005)
         big_held = sum(block.key == "big" for block, _, _ in cache.ram.items())
