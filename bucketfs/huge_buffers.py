@@ -89,10 +89,11 @@ def read_from(size: int, lead: int,
     mapping of that length to use again (one this function made for a read of the same
     size, as spare_buffers.py keeps them), or None for a fresh one."""
     huge = settings.enabled and size - lead >= HUGE_PAGE
-    memory = spare(size + HUGE_PAGE if huge else size)
+    length = size + HUGE_PAGE if huge else size
+    memory = spare(length)
     fresh = memory is None
     if memory is None:
-        memory = private_pages(size + HUGE_PAGE if huge else size)
+        memory = private_pages(length)
     if not huge:
         return memoryview(memory)
     skip = -(address_of(memory) + lead) % HUGE_PAGE

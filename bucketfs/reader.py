@@ -151,6 +151,8 @@ class Reader:
         """Count `length` bytes of block `index` as read; once all its bytes were (the
         page cache then holds them: a byte read twice counts twice, which at worst lets
         a block go early), the cache may let its RAM copy go."""
+        if self.cache.disk is None:
+            return  # RAM is the only copy: nothing is let go, so nothing to count
         counts = handle.read_of_block
         read = counts.pop(index, 0) + length
         if read >= block_length:

@@ -40,6 +40,7 @@ import mmap
 import sys
 import threading
 from collections import deque
+from typing import Any
 
 import trio
 
@@ -61,6 +62,26 @@ def _idle_count(spare: deque[Buffer]) -> int:
         buffer = spare[i]
         return sys.getrefcount(buffer)
     raise AssertionError("unreachable")
+
+
+def _remember(sizes: set[int], size: int) -> None:
+    """Note a size taken: a spare of another size would never be taken."""
+    if size not in sizes:
+        if len(sizes) >= 64:  # files of many sizes: remember the recent ones
+            sizes.clear()
+        sizes.add(size)
+
+
+def _take_idle(spare: deque[Any], size: int) -> Any:
+    """The first spare of `size` bytes that nothing else refers to, out of `spare`; None
+    if there is none. By index: deque.remove would compare contents, and could drop
+    another buffer that holds the same bytes."""
+    for i in range(len(spare)):  # as `_idle_count` measures it
+        buffer = spare[i]
+        if len(buffer) == size and sys.getrefcount(buffer) == _IDLE_REFS:
+            del spare[i]
+            return buffer
+    return None
 
 
 _BUFFER_TYPES = Buffer.__args__
@@ -89,19 +110,13 @@ class SpareMappings:
         caller maps fresh memory). Its bytes are whatever it held."""
         with self._lock:
             self._active = True
-            if length not in self._sizes:
-                if len(self._sizes) >= 64:
-                    self._sizes.clear()
-                self._sizes.add(length)
-            spare = self._spare
-            for i in range(len(spare)):  # as `_idle_count` measures it
-                mapping = spare[i]
-                if len(mapping) == length and sys.getrefcount(mapping) == _IDLE_REFS:
-                    del spare[i]
-                    self.reused += 1
-                    return mapping
-            self.fresh += 1
-            return None
+            _remember(self._sizes, length)
+            mapping: mmap.mmap | None = _take_idle(self._spare, length)
+            if mapping is None:
+                self.fresh += 1
+            else:
+                self.reused += 1
+            return mapping
 
     def offer(self, mapping: mmap.mmap) -> None:
         """The mapping of a block the RAM tier let go; kept if reads take that length,
@@ -143,19 +158,11 @@ class SpareBuffers:
         """A buffer of `size` bytes: a spare one no one refers to any more, else a new
         one. Its bytes are whatever it held: the caller overwrites all it hands out."""
         self._active = True
-        if size not in self._sizes:
-            if len(self._sizes) >= 64:  # files of many sizes: remember the recent ones
-                self._sizes.clear()
-            self._sizes.add(size)
-        spare = self._spare
-        # By index: deque.remove would compare contents, and could drop another
-        # buffer that holds the same bytes.
-        for i in range(len(spare)):
-            buffer = spare[i]
-            if len(buffer) == size and sys.getrefcount(buffer) == _IDLE_REFS:
-                del spare[i]
-                self.reused += 1
-                return buffer
+        _remember(self._sizes, size)
+        buffer: Buffer | None = _take_idle(self._spare, size)
+        if buffer is not None:
+            self.reused += 1
+            return buffer
         self.fresh += 1
         if huge_buffers.settings.enabled and size >= huge_buffers.HUGE_PAGE:
             return huge_buffers.fresh(size)

@@ -225,12 +225,12 @@ def test_a_ram_tier_smaller_than_a_block_still_gets_each_block_once(ram):
     assert backend.calls["get"] == 6 + 1  # 6 blocks of "big", "small" whole
 
 
-def reader_over_ssd(backend, nursery, directory, *, ram=64 * MiB):
-    """A reader whose cache has an SSD tier (1 MiB blocks) in `directory`."""
+def reader_over_ssd(backend, nursery, directory, *, ram=64 * MiB, block=MiB):
+    """A reader whose cache has an SSD tier (blocks of `block` bytes) in `directory`."""
     disk = DiskTier(directory, 256 * MiB, make_policy("lru"), source="mem://bucket",
-                    block_size=MiB)
+                    block_size=block)
     store = ObjectStore(backend, max_workers=4, retry=RetryPolicy(1))
-    cache = BlockCache(store, RamTier(ram, make_policy("lru")), disk, block_size=MiB,
+    cache = BlockCache(store, RamTier(ram, make_policy("lru")), disk, block_size=block,
                        nursery=nursery)
     return Reader(cache, ByteBudget(64 * MiB), ReadSettings(readahead_max=4 * MiB), nursery)
 
@@ -302,19 +302,21 @@ def test_blocks_read_front_to_back_leave_ram_once_the_ssd_tier_has_them(tmp_path
     assert backend.calls["get"] == 11 + 1
 
 
-def test_a_handle_counts_the_bytes_read_of_a_bounded_number_of_blocks():
+def test_a_handle_counts_the_bytes_read_of_a_bounded_number_of_blocks(tmp_path):
     # A reader that touches many blocks and finishes none (random small reads of a
     # large file) holds a count for at most COUNTED_BLOCKS of them, the latest.
     data = blob(100 * 64 * KiB, seed=7)
     backend = MemoryBackend({"big": data})
 
     async def main(nursery):
-        reader = make_reader(backend, nursery, block=64 * KiB)
+        reader = reader_over_ssd(backend, nursery, tmp_path / "cache", block=64 * KiB)
         handle = reader.open("big", backend.version("big"), len(data))
         for index in range(100):
             start = index * 64 * KiB
             assert await reader.read(handle, start, 10) == data[start:start + 10]
         assert list(handle.read_of_block) == list(range(100 - COUNTED_BLOCKS, 100))
         assert set(handle.read_of_block.values()) == {10}
+        await reader.cache.flush()
+        reader.cache.disk.close()
 
     run(main)
