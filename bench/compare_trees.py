@@ -28,7 +28,10 @@ and queueing in the daemon can cost throughput rather than save CPU):
     unhinted next epoch reads: each file its own read from the SSD tier;
   - cold, the order sent first: a second fresh mount, the readers' order sent before
     they read, as HintSampler sends it (prefetch ahead of them), the daemon's CPU taken
-    once it is idle.
+    once it is idle;
+  - cold, names listed first: a third fresh mount whose tree is listed before the reads,
+    as ImageFolder scans its classes: no LOOKUP comes, so each file's first READ finds
+    its entry by inode in the index (the first pass's LOOKUPs hand it over instead).
 For each: the daemon's CPU per file (/proc/PID/stat, all threads), its event loop's
 share (the main thread), the files read per second (wall time: noisy on a small
 machine, but what a queue that makes readers wait costs) and its voluntary context
@@ -65,7 +68,7 @@ from tests.servers import S3Server
 
 PASSES = ("cold", "warm, RAM tier", "warm, RAM tier, names listed", "warm, page cache",
           "warm, SSD tier (remounted)", "warm, SSD tier, another order",
-          "cold, the order sent first")
+          "cold, the order sent first", "cold, names listed first")
 READERS = 16
 MEASURES = ("cpu_ms_per_file", "loop_ms_per_file", "files_per_s", "switches_per_file")
 LARGE_MEASURES = ("mb_per_s", "cpu_s_per_gib")
@@ -117,6 +120,13 @@ def one_round(server: S3Server, work: Path, tree: Path, relpaths: list[str],
         with Mount(server, work / "mnt", args, tree=tree) as mount:
             passes["cold, the order sent first"] = mount.read_all(
                 relpaths, readers, begin=lambda: mount.send_order(relpaths), idle=True)
+        shutil.rmtree(cache)
+        cache.mkdir()
+        with Mount(server, work / "mnt", args, tree=tree) as mount:
+            # As ImageFolder does: the directories listed (READDIRPLUS) before any read,
+            # so the kernel sends no LOOKUP and a file's first READ finds it by inode.
+            mount.list_tree(relpaths)
+            passes["cold, names listed first"] = mount.read_all(relpaths, readers)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     return {name: {"cpu_ms_per_file": row["cpu_ms_per_file"],

@@ -149,9 +149,8 @@ class Namespace:
         directory = self._directories.get(inode)
         if directory is not None:
             return directory
-        where = self.tree.locate(inode)
-        entry = self.tree.child(*where) if where is not None else None
-        if entry is None or entry.inode != inode:
+        entry = self.tree.entry_of(inode)
+        if entry is None:
             retired = self._retired.get(inode)
             if retired is None:
                 raise KeyError(inode)

@@ -25,6 +25,8 @@ class MemoryBackend:
         self.get_ranges: list[tuple[str, int, int]] = []
         #: key -> number of upcoming GETs of it that fail with TransientError (-1: all).
         self.failures: dict[str, int] = {}
+        #: key -> the modification time to list it with (else a fixed one).
+        self.mtimes: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def version(self, key: str) -> str:
@@ -37,8 +39,8 @@ class MemoryBackend:
         self.calls["check"] += 1
 
     def _info(self, key: str) -> ObjectInfo:
-        return ObjectInfo(key, len(self.objects[key]), 1_700_000_000_000_000_000,
-                          self.version(key))
+        return ObjectInfo(key, len(self.objects[key]),
+                          self.mtimes.get(key, 1_700_000_000_000_000_000), self.version(key))
 
     def list_page(self, prefix: str, delimiter: str | None, token: str | None,
                   page_size: int) -> ListPage:

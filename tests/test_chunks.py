@@ -357,8 +357,39 @@ def test_a_cache_of_an_older_format_starts_afresh(tmp_path, older):
     assert pack(again, blocks) and again.chunks.count == 1
     again.close()
     index = Rdict(str(directory / "index"), Options(raw_mode=True))
-    assert index[b"C:format"] == b"4"  # an older build now refuses it
+    assert index[b"C:format"] == b"5"  # an older build now refuses it
     index.close()
+
+
+def test_a_format4_cache_keeps_its_blocks_and_listings_and_is_upgraded(tmp_path):
+    # Format 5 differs only in its inode records (the whole entry, not where it is):
+    # they are rewritten in place, and nothing cached is dropped.
+    from bucketfs.cache import schema
+    from bucketfs.cache.listings import ROOT_INODE, TreeIndex
+    from bucketfs.cache.schema import DirEntry
+
+    directory = tmp_path / "cache"
+    blocks, packed = files(3), files(4, seed=1)
+    disk = open_tier(directory)
+    for block, data in blocks.items():
+        assert disk.put(block, data, 0.01)
+    assert pack(disk, packed)
+    space = schema.tree_space(NS, "")
+    tree = TreeIndex(disk.index, space)
+    tree.store(ROOT_INODE, [DirEntry("x.jpg", False, "x.jpg", size=5, version="v")], 1.0)
+    x = tree.child(ROOT_INODE, "x.jpg")
+    disk.index[schema.tree_inode_key(space, x.inode)] = \
+        ROOT_INODE.to_bytes(8, "big") + b"x.jpg"  # as format 4 wrote it
+    disk.index[b"C:format"] = b"4"
+    before = totals(disk)
+    disk.close()
+    again = open_tier(directory)
+    assert totals(again) == before
+    assert all(bytes(again.get(block).data) == data
+               for block, data in (blocks | packed).items())
+    assert TreeIndex(again.index, space).entry_of(x.inode) == x
+    assert again.index[b"C:format"] == b"5"
+    again.close()
 
 
 def test_startup_after_a_crash_sweeps_unindexed_chunks_and_drops_lost_ones(tmp_path):

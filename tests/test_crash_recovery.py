@@ -41,8 +41,8 @@ def test_inodes_of_a_listing_cut_short_are_never_handed_out_again(tmp_path):
     tree.finish(listing, 2.0)
     x, y = tree.child(a, "x"), tree.child(b, "y")
     assert x.inode != y.inode
-    assert tree.locate(x.inode) == (a, "x")
-    assert tree.locate(y.inode) == (b, "y")
+    assert tree.entry_of(x.inode) == x
+    assert tree.entry_of(y.inode) == y
     index.close()
 
 

@@ -165,8 +165,16 @@ def test_an_index_that_stops_taking_writes_keeps_the_tree_in_memory(tmp_path, ca
             assert f0_new.inode != f0.inode and f0_new.size == len(b"changed")
             assert ns.get(f0.inode).version == f0.version  # the old inode, for its handles
             del backend.objects["d0/f1"]
-            await ns.refresh(await ns.lookup(d0.inode, "f1"))
+            f1 = await ns.lookup(d0.inode, "f1")
+            await ns.refresh(f1)
             assert await ns.lookup(d0.inode, "f1") is None
+            # The index still holds its inode's record; memory says it is gone.
+            ns.forget(f1.inode)
+            with pytest.raises(KeyError):
+                ns.get(f1.inode)
+            ns.forget(f0.inode)
+            with pytest.raises(KeyError):
+                ns.get(f0.inode)
             ns.forget_listings()  # --refresh, unsaved: everything is listed again
             d0_again = await ns.lookup(1, "d0")
             assert d0_again.inode == d0.inode
@@ -177,3 +185,76 @@ def test_an_index_that_stops_taking_writes_keeps_the_tree_in_memory(tmp_path, ca
     found = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(found) == 1 and "kept in memory" in found[0], found
     assert ns.known_files == 4 + 19
+
+
+class CountingIndex(FailingIndex):
+    """Counts the point reads made of the index."""
+
+    def __init__(self, index: Rdict) -> None:
+        super().__init__(index)
+        self.reads = 0
+
+    def get(self, key, *args):
+        self.reads += 1
+        return self._index.get(key, *args)
+
+
+def test_an_inode_is_read_in_one_index_read_and_follows_its_listing(tmp_path):
+    """A file's first read finds its entry by inode (the kernel listed the directory
+    with READDIRPLUS, so no LOOKUP came): one index read, and the entry as the latest
+    listing has it."""
+    backend = MemoryBackend({f"d/{i}": bytes(i) for i in range(5)})
+    now = [0.0]
+    store = ObjectStore(backend, max_workers=2, retry=RetryPolicy(1), page_size=2)
+    index = CountingIndex(Rdict(str(tmp_path / "index"), Options(raw_mode=True)))
+    ns = Namespace(store, "", index=index, space="mem://b", metadata_ttl=10,
+                   clock=lambda: now[0])
+
+    async def main():
+        d = await ns.lookup(1, "d")
+        listed = {n.name: n for n in await ns.children(d.inode)}
+        for name, entry in listed.items():
+            index.reads = 0
+            assert ns.get(entry.inode) == entry
+            assert index.reads == 1, name
+        # The same version listed with another time (a copy onto itself): one inode,
+        # and what it reads is the new listing's entry.
+        backend.mtimes = {"d/3": 7_000_000_000}
+        now[0] = 11
+        relisted = {n.name: n for n in await ns.children(d.inode)}
+        assert relisted["3"].inode == listed["3"].inode
+        assert relisted["3"].mtime_ns == 7_000_000_000 != listed["3"].mtime_ns
+        assert ns.get(listed["3"].inode) == relisted["3"]
+
+    trio.run(main)
+    index.close()
+
+
+def test_format4_inode_records_are_upgraded_in_place(tmp_path):
+    """Format 4 kept (parent inode, name) in an inode's record; the upgrade rewrites
+    each with its entry, and run again (a crash midway) changes nothing."""
+    from bucketfs.cache import schema
+    from bucketfs.cache.listings import ROOT_INODE, TreeIndex, upgrade_inode_records
+    from bucketfs.cache.schema import DirEntry
+
+    space = schema.tree_space("s3://b via http://127.0.0.1:1", "p/")
+    index = Rdict(str(tmp_path / "index"), Options(raw_mode=True))
+    tree = TreeIndex(index, space)
+    root = tree.begin(ROOT_INODE)
+    tree.add_page(root, [DirEntry("a", True, "p/a/"), DirEntry("é\udcff", False, "p/é\udcff",
+                                                                  size=3, version="v")])
+    tree.finish(root, 1.0)
+    a = tree.child(ROOT_INODE, "a")
+    listing = tree.begin(a.inode)
+    tree.add_page(listing, [DirEntry("x", False, "p/a/x", size=10, mtime_ns=5,
+                                     version="v1")])
+    tree.finish(listing, 1.0)
+    entries = [a, tree.child(ROOT_INODE, "é\udcff"), tree.child(a.inode, "x")]
+    for entry in entries:  # written as format 4 wrote them
+        index[schema.tree_inode_key(space, entry.inode)] = (
+            entry.parent.to_bytes(8, "big") + entry.name.encode("utf-8", "surrogateescape"))
+    assert upgrade_inode_records(index) == 3
+    assert [tree.entry_of(entry.inode) for entry in entries] == entries
+    assert upgrade_inode_records(index) == 0
+    assert [tree.entry_of(entry.inode) for entry in entries] == entries
+    index.close()

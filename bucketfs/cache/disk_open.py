@@ -21,6 +21,7 @@ from rocksdict import Rdict, WriteBatch
 
 from bucketfs.cache import schema
 from bucketfs.cache.chunks import ChunkStore
+from bucketfs.cache.listings import upgrade_inode_records
 from bucketfs.cache.ranking import IndexRanking
 from bucketfs.cache.scans import prefixed
 from bucketfs.cache.schema import ENTRY
@@ -79,12 +80,17 @@ class OpensDirectory:
 
     def _load(self) -> None:
         found = self.index.get(schema.FORMAT_KEY)
-        if found not in (None, *schema.OLDER_FORMATS, schema.FORMAT):
+        if found not in (None, *schema.OLDER_FORMATS, schema.INODE_LOCATIONS_FORMAT,
+                         schema.FORMAT):
             raise CacheDirError(f"{self.directory} holds a cache of another format; "
                                 "clear it with: bucketfs cache clear DIR")
         if found in schema.OLDER_FORMATS:
             self._start_afresh(found)
             found = None
+        elif found == schema.INODE_LOCATIONS_FORMAT:
+            upgraded = upgrade_inode_records(self.index)
+            log.info("cache: %s upgraded to format %s (%d inode records)", self.directory,
+                     schema.FORMAT.decode(), upgraded)
         identity = self.policy.identity().encode()
         # Ranks saved by another policy are rebuilt.
         rebuild = found is not None and self.index.get(schema.POLICY_KEY) != identity

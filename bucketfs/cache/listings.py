@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import struct
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -136,13 +137,27 @@ class TreeIndex:
         raw = self.index.get(schema.tree_entry_key(self.space, parent, name))
         return None if raw is None else schema.decode_dir_entry(raw, parent, name)
 
-    def locate(self, inode: int) -> tuple[int, str] | None:
-        """(parent inode, name) of an inode, or None if no listing holds it."""
-        where = self._memory.locations.get(inode)
+    def entry_of(self, inode: int) -> DirEntry | None:
+        """The entry an inode names, or None if no listing holds it: one index read
+        (the inode's record holds the entry), where two were (where, then what)."""
+        memory = self._memory
+        where = memory.locations.get(inode)
         if where is not None:
-            return where
+            entry = self.child(*where)
+            return entry if entry is not None and entry.inode == inode else None
         raw = self.index.get(schema.tree_inode_key(self.space, inode))
-        return None if raw is None else schema.decode_location(raw)
+        if raw is None:
+            return None
+        try:
+            entry = schema.decode_inode_record(raw, inode)
+        except (ValueError, struct.error):
+            return None  # not a record this code wrote
+        if memory.changed or memory.listings:
+            # Kept in memory since the index refused writes: the index's record may
+            # name an entry memory has replaced or dropped since.
+            current = self.child(entry.parent, entry.name)
+            return current if current is not None and current.inode == inode else None
+        return entry
 
     def listed_at(self, inode: int) -> float | None:
         memory = self._memory
@@ -199,7 +214,7 @@ class TreeIndex:
                 batch = WriteBatch(raw_mode=True)
                 batch.delete(schema.tree_inode_key(self.space, old.inode))
                 batch.put(schema.tree_inode_key(self.space, stored.inode),
-                          schema.encode_location(old.parent, old.name))
+                          schema.encode_inode_record(stored))
                 batch.put(schema.tree_entry_key(self.space, old.parent, old.name),
                           schema.encode_dir_entry(stored))
                 # With the entry: a crash must not hand out its inode again.
@@ -287,9 +302,9 @@ class TreeIndex:
                     batch.delete(schema.tree_inode_key(self.space, previous.inode))
                     if previous.stamp != listing.stamp:
                         changes.gone.append(previous)
-                if previous is None or entry.inode != previous.inode:
+                if previous is None or entry != previous:  # anything but the stamp
                     batch.put(schema.tree_inode_key(self.space, entry.inode),
-                              schema.encode_location(listing.parent, child.name))
+                              schema.encode_inode_record(entry))
                 if previous is not None:
                     counts.add(previous, -1)
                 counts.add(entry, 1)
@@ -410,3 +425,28 @@ class TreeIndex:
             self._unwritable(exc)
             self._memory.forgot_listings = True
         self._memory.listed_at.clear()
+
+
+def upgrade_inode_records(index: Rdict) -> int:
+    """Format 4's inode records held only where the entry is (parent inode and name);
+    rewrite each with the entry it names (format 5), and say how many. Run again after
+    a crash midway, it leaves the records already rewritten: read as format 4, they
+    name no entry of their inode."""
+    batch, upgraded = WriteBatch(raw_mode=True), 0
+    for key, value in prefixed(index, schema.TREE_INODE):
+        raw = index.get(schema.format4_entry_key(key, value))
+        if raw is None:
+            continue
+        try:
+            entry = schema.decode_dir_entry(raw, *schema.decode_format4_location(value))
+        except (ValueError, struct.error):
+            continue
+        if entry.inode != schema.inode_of_key(key):
+            continue
+        batch.put(key, schema.encode_inode_record(entry))
+        upgraded += 1
+        if len(batch) >= _BATCH:
+            index.write(batch)
+            batch = WriteBatch(raw_mode=True)
+    index.write(batch)
+    return upgraded

@@ -16,7 +16,7 @@ with one byte saying what they are:
 | `R` + rank + entry or chunk name | empty: the eviction order, lowest first | ranking.py |
 | `T` + miss clock + clock + name | empty: cost-lrfu's recency order | ranking.py |
 | `N` + space + parent inode + name | `DirEntry`: one directory entry of a listing | listings.py |
-| `I` + space + inode | parent inode + name: where an inode's entry is | listings.py |
+| `I` + space + inode | the inode's entry, with its parent inode and name | listings.py |
 | `S` + space + inode | when the directory was listed (wall-clock seconds) | listings.py |
 | `M` + space + `next` / `bytes` / `files` / `stamp` | the tree's counters | listings.py |
 
@@ -27,7 +27,9 @@ which no entry name (origin first) can be.
 
 Format versions: 2 kept the eviction order as keys, 3 added chunk files, 4 named
 entries by origin, size and span (older entries do not say which block size cut them,
-so a cache of formats 1 to 3 is started afresh) and listings by origin. A build refuses
+so a cache of formats 1 to 3 is started afresh) and listings by origin, 5 keeps a
+whole entry in an inode's record (format 4 kept its parent and name: a second read;
+listings.upgrade_inode_records rewrites them in place). A build refuses
 a cache of a format newer than its own. Decoders raise ValueError or struct.error on
 anything this code did not write; callers treat that as a miss.
 """
@@ -42,7 +44,9 @@ from typing import NamedTuple
 from bucketfs.cache.blocks import BlockId, block_span
 
 FORMAT_KEY = b"C:format"
-FORMAT = b"4"
+FORMAT = b"5"
+#: Upgraded in place: only its inode records differ (listings.upgrade_inode_records).
+INODE_LOCATIONS_FORMAT = b"4"
 #: Formats whose caches are started afresh rather than refused.
 OLDER_FORMATS = (b"1", b"2", b"3")
 POLICY_KEY = b"C:policy"
@@ -371,6 +375,7 @@ def recency_key_name(key: bytes) -> bytes:
 _U64 = struct.Struct(">Q")
 _DIR_ENTRY = struct.Struct("<QBQqQ")  # inode, is_dir, size, mtime_ns, listing stamp
 _TEXT_LENGTH = struct.Struct("<I")  # before each text of an entry (`_text`)
+_INODE_RECORD = struct.Struct("<QBQq")  # parent inode, is_dir, size, mtime_ns
 
 
 @dataclass(slots=True)
@@ -436,12 +441,40 @@ def tree_inode_key(space: bytes, inode: int) -> bytes:
     return TREE_INODE + space + _U64.pack(inode)
 
 
-def encode_location(parent: int, name: str) -> bytes:
-    return _U64.pack(parent) + name.encode("utf-8", "surrogateescape")
+def encode_inode_record(entry: DirEntry) -> bytes:
+    """An inode's record: its entry as the listing holds it, less the listing's stamp,
+    with its parent and name (the `N` record's key)."""
+    return (_INODE_RECORD.pack(entry.parent, entry.is_dir, entry.size, entry.mtime_ns)
+            + _text(entry.name) + _text(entry.key) + _text(entry.version))
 
 
-def decode_location(raw: bytes) -> tuple[int, str]:
-    return _U64.unpack_from(raw)[0], raw[8:].decode("utf-8", "surrogateescape")
+def decode_inode_record(raw: bytes, inode: int) -> DirEntry:
+    parent, is_dir, size, mtime_ns = _INODE_RECORD.unpack_from(raw)
+    texts = []
+    at = _INODE_RECORD.size
+    for _ in range(3):  # name, key, version
+        (length,) = _TEXT_LENGTH.unpack_from(raw, at)
+        end = at + 4 + length
+        if end > len(raw):
+            raise ValueError("an inode record cut short")
+        texts.append(raw[at + 4:end].decode("utf-8", "surrogateescape"))
+        at = end
+    name, key, version = texts
+    return DirEntry(name, bool(is_dir), key, size, mtime_ns, version, inode, parent)
+
+
+def format4_entry_key(inode_key: bytes, location: bytes) -> bytes:
+    """The `N` key of the entry a format-4 inode record (parent inode, then the name's
+    bytes) names: the same space, then the record's bytes as they are."""
+    return TREE_ENTRY + inode_key[len(TREE_INODE):-_U64.size] + location
+
+
+def decode_format4_location(raw: bytes) -> tuple[int, str]:
+    return _U64.unpack_from(raw)[0], raw[_U64.size:].decode("utf-8", "surrogateescape")
+
+
+def inode_of_key(inode_key: bytes) -> int:
+    return _U64.unpack_from(inode_key, len(inode_key) - _U64.size)[0]
 
 
 def tree_listed_key(space: bytes, inode: int) -> bytes:
