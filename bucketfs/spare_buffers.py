@@ -138,7 +138,8 @@ class SpareMappings:
 
     @property
     def spare_bytes(self) -> int:
-        return sum(map(len, self._spare))  # one C call: see SpareBuffers.spare_bytes
+        with self._lock:  # a worker's `take` may be changing the pool
+            return sum(map(len, self._spare))
 
 
 class SpareBuffers:

@@ -142,22 +142,21 @@ class TreeIndex:
         (the inode's record holds the entry), where two were (where, then what)."""
         memory = self._memory
         where = memory.locations.get(inode)
-        if where is not None:
-            entry = self.child(*where)
-            return entry if entry is not None and entry.inode == inode else None
-        raw = self.index.get(schema.tree_inode_key(self.space, inode))
-        if raw is None:
-            return None
-        try:
-            entry = schema.decode_inode_record(raw, inode)
-        except (ValueError, struct.error):
-            return None  # not a record this code wrote
-        if memory.changed or memory.listings:
+        if where is None:
+            raw = self.index.get(schema.tree_inode_key(self.space, inode))
+            if raw is None:
+                return None
+            try:
+                entry = schema.decode_inode_record(raw, inode)
+            except (ValueError, struct.error):
+                return None  # not a record this code wrote
+            if not (memory.changed or memory.listings):
+                return entry
             # Kept in memory since the index refused writes: the index's record may
             # name an entry memory has replaced or dropped since.
-            current = self.child(entry.parent, entry.name)
-            return current if current is not None and current.inode == inode else None
-        return entry
+            where = entry.parent, entry.name
+        current = self.child(*where)
+        return current if current is not None and current.inode == inode else None
 
     def listed_at(self, inode: int) -> float | None:
         memory = self._memory
