@@ -8,7 +8,8 @@ bodies from `MIN_SIZE` are concerned: smaller ones come from the allocator's hea
 reuses freed memory already.
 
 When a buffer is free: a block's bytes are handed out only as memoryviews of one buffer
-(the GET's, curl_multi.py: a bytearray, or an mmap of huge pages from huge_buffers.py),
+(the GET's, curl_multi.py: a private mapping whose pages the kernel faulted in when it
+mapped them, or one of huge pages from huge_buffers.py),
 and every view, slice or C caller holding its bytes keeps a reference to that object. So
 a buffer that nothing but this module refers to has no reader left, and its bytes may be
 overwritten. `take` checks exactly that, with `sys.getrefcount` against the count an
@@ -45,6 +46,7 @@ from typing import Any
 import trio
 
 from bucketfs import huge_buffers
+from bucketfs.cache.direct_writes import private_pages
 
 #: Bodies from this size get their own mapping (mount.py's mmap threshold), so only
 #: they come back as fresh pages.
@@ -53,7 +55,8 @@ MIN_SIZE = 1024 * 1024
 IDLE_S = 2.0
 
 
-#: A block's buffer: a bytearray, or a mapping of its own in huge pages (huge_buffers.py).
+#: A block's buffer: a mapping of its own (populated, or in huge pages: huge_buffers.py);
+#: a bytearray where a caller made one.
 Buffer = bytearray | mmap.mmap
 
 
@@ -167,7 +170,9 @@ class SpareBuffers:
         self.fresh += 1
         if huge_buffers.settings.enabled and size >= huge_buffers.HUGE_PAGE:
             return huge_buffers.fresh(size)
-        return bytearray(size)
+        # Not bytearray(size): it faults each page in as it zeroes it, one trap per 4
+        # KiB; populated, the kernel does them all in the one call (step 43).
+        return private_pages(size, populate=True)
 
     def offer(self, data: object) -> None:
         """A block let go (evicted, removed): its buffer is kept to be taken again, once

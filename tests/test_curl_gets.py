@@ -47,7 +47,11 @@ class Behaviour:
     stall_after: int | None = None  # bytes sent before the server stops sending
     status: int | None = None  # answer this status instead
     no_length: bool = False  # no Content-Length: the body ends when the connection does
+    chunked: bool = False  # Transfer-Encoding: chunked (with `trickle`, a chunk a piece)
     version: str = VERSION
+    #: Send the body in pieces of this many bytes, `pause` seconds apart (a slow link).
+    trickle: int | None = None
+    pause: float = 0.0002
     requests: list[str] = field(default_factory=list)
     release: threading.Event = field(default_factory=threading.Event)
 
@@ -72,6 +76,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if behaviour.no_length:
             self.send_header("Connection", "close")
             self.close_connection = True
+        elif behaviour.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
         else:
             self.send_header("Content-Length", str(len(body)))
         self.send_header("ETag", f'"{behaviour.version}"')
@@ -80,6 +86,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(body[:behaviour.stall_after])
             self.wfile.flush()
             behaviour.release.wait(10)
+            return
+        if behaviour.trickle is not None:
+            for at in range(0, len(body), behaviour.trickle):
+                piece = body[at:at + behaviour.trickle]
+                if behaviour.chunked:
+                    piece = b"%x\r\n%s\r\n" % (len(piece), piece)
+                self.wfile.write(piece)
+                time.sleep(behaviour.pause)
+            if behaviour.chunked:
+                self.wfile.write(b"0\r\n\r\n")
             return
         self.wfile.write(body)
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import mmap
 import random
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import trio
@@ -138,8 +140,8 @@ def test_the_ram_tier_offers_what_it_evicts() -> None:
 def test_a_get_fills_a_spare_buffer_and_never_one_still_read(
         server, monkeypatch, huge) -> None:  # noqa: F811
     """A large GET's body lands in the buffer of a block let go, and a block someone
-    still reads keeps its bytes while later GETs run; in a bytearray, or in a mapping
-    of huge pages (huge_buffers.py, on from MIN_SIZE here so that the test server's
+    still reads keeps its bytes while later GETs run; in a private mapping, or in a
+    mapping of huge pages (huge_buffers.py, on from MIN_SIZE here so that the test server's
     body takes that path)."""
     if huge:
         monkeypatch.setattr(huge_buffers.settings, "enabled", True)
@@ -152,7 +154,7 @@ def test_a_get_fills_a_spare_buffer_and_never_one_still_read(
         spare_buffers.let_go_if_idle()
         spare_buffers.let_go_if_idle()  # start with none
         first = await client.get_range("obj", VERSION, 0, length)
-        assert type(first.obj) is (mmap.mmap if huge else bytearray) and first.readonly
+        assert type(first.obj) is mmap.mmap and first.readonly
         still_read = await client.get_range("obj", VERSION, 7, length)
         kept = bytes(still_read)
         spare_buffers.offer(first)
@@ -170,6 +172,26 @@ def test_a_get_fills_a_spare_buffer_and_never_one_still_read(
 
     trio.run(main)
     client.close()
+
+
+def _resident_bytes() -> int:
+    rollup = Path("/proc/self/smaps_rollup").read_text()
+    return int(re.search(r"^Rss:\s+(\d+) kB", rollup, re.MULTILINE)[1]) * 1024
+
+
+def test_a_fresh_buffer_is_faulted_in_when_it_is_mapped(monkeypatch) -> None:
+    """With no spare to take, a GET's buffer is a private mapping whose pages the kernel
+    faulted in at once (MAP_POPULATE; one trap per page cost more), not a bytearray
+    zeroed page by page, nor a mapping left to fault as the body arrives."""
+    monkeypatch.setattr(huge_buffers.settings, "enabled", False)
+    pool = SpareBuffers()
+    size = 64 * MIN_SIZE
+    before = _resident_bytes()
+    buffer = pool.take(size)
+    grew = _resident_bytes() - before
+    assert type(buffer) is mmap.mmap and len(buffer) == size and pool.fresh == 1
+    assert grew >= size * 0.9, f"only {grew} of {size} bytes resident"
+    buffer[size - 1:] = b"x"  # writable, as a GET fills it
 
 
 def test_a_huge_page_buffer_is_kept_and_taken_again_only_when_idle(monkeypatch) -> None:

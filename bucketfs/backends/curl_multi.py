@@ -27,6 +27,7 @@ import logging
 import math
 import re
 import select
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +40,11 @@ log = logging.getLogger(__name__)
 
 #: A body this large or larger is copied into place as it arrives (Transfer says why).
 LARGE_BODY = 1024 * 1024
+#: While a large body arrives, its socket wakes the driver only once this much more of
+#: it is there (SO_RCVLOWAT), or all that is left of it: the reader waits for the whole
+#: block anyway, and over a link that brings ~50 KB per wakeup, each a round through
+#: trio and libcurl, the rounds were a third of the daemon's CPU per GiB (step 43).
+WAKE_BYTES = 256 * 1024
 _EPOLL_OF = {pycurl.POLL_IN: select.EPOLLIN, pycurl.POLL_OUT: select.EPOLLOUT,
              pycurl.POLL_INOUT: select.EPOLLIN | select.EPOLLOUT}
 
@@ -69,6 +75,15 @@ class Transfer:
     _buffer: Buffer | None = None
     _view: memoryview | None = None
     _filled: int = 0
+    #: A large body's socket and its low-water mark (WAKE_BYTES), which the engine
+    #: sets after libcurl's callbacks return (`want_wake` queues this transfer).
+    _curl: pycurl.Curl | None = None
+    _socket: int = -1
+    _wake_at: int = 1
+    _wake_want: int = 1
+    _wake_queued: bool = False
+    _want_wake: Callable[[Transfer], None] | None = None
+    _is_chunked: bool | None = None
 
     def take_body(self) -> bytes | Buffer:
         """The body, once: the pieces are let go (the handle, kept for the next GET,
@@ -87,7 +102,25 @@ class Transfer:
             return 0  # more than the range asked for: libcurl stops the transfer
         self._view[self._filled:end] = data  # type: ignore[index]
         self._filled = end
+        left = self.length - end
+        if not left or self._chunked():
+            return None  # the engine resets the mark as the transfer leaves
+        want = min(left, WAKE_BYTES)
+        want = 1 << (want.bit_length() - 1)  # a power of two: it changes seldom
+        if want != self._wake_want:
+            self._wake_want = want
+            if not self._wake_queued:
+                self._wake_queued = True
+                self._want_wake(self)  # type: ignore[misc]
         return None
+
+    def _chunked(self) -> bool:
+        """Whether the body comes in chunks (asked once): its last chunk's few bytes
+        may come after the body's, and a mark would hold them until libcurl's timer."""
+        if self._is_chunked is None:
+            encoding = self.header(_TRANSFER_ENCODING)
+            self._is_chunked = encoding is not None and "chunked" in encoding.lower()
+        return self._is_chunked
 
     def header(self, pattern: re.Pattern[bytes]) -> str | None:
         """The value of a response header, by a pattern from `header_pattern`; None if
@@ -101,6 +134,9 @@ def header_pattern(name: str) -> re.Pattern[bytes]:
     """What `Transfer.header` looks for: the named header (any case), its value trimmed."""
     return re.compile(rb"^" + re.escape(name.encode()) + rb":[ \t]*(.*?)[ \t]*\r?$",
                       re.IGNORECASE | re.MULTILINE)
+
+
+_TRANSFER_ENCODING = header_pattern("transfer-encoding")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +180,8 @@ class TrioCurl:
         self._running: dict[pycurl.Curl, Transfer] = {}
         self._spare: list[pycurl.Curl] = []
         self._driving = False
+        #: Large transfers whose socket's low-water mark is to change (Transfer._fill).
+        self._wakes_due: list[Transfer] = []
 
     def close(self) -> None:
         for curl in list(self._running):
@@ -166,6 +204,7 @@ class TrioCurl:
             transfer._buffer = spare_buffers.take(transfer.length)
             transfer._view = memoryview(transfer._buffer)
             curl.setopt(pycurl.WRITEFUNCTION, transfer._fill)
+            transfer._curl, transfer._want_wake = curl, self._wakes_due.append
         else:
             curl.setopt(pycurl.WRITEFUNCTION, transfer.pieces.append)
         curl.setopt(pycurl.HEADERFUNCTION, transfer.header_lines.append)
@@ -198,17 +237,22 @@ class TrioCurl:
     # --- the driver -------------------------------------------------------------------
 
     async def _drive(self) -> None:
+        descriptor = self._epoll.fileno()
         try:
             while self._running:
+                # One cancel scope serves every round until libcurl's timer fires (then
+                # the next gets its deadline): one entered and left per round was a
+                # tenth of the trio thread's time while large bodies trickled in over a
+                # link, ~20 rounds a MiB (docs/BENCHMARKS.md, step 43). `_set_timer`
+                # moves its deadline earlier, during a round too.
                 with trio.CancelScope(deadline=self._deadline) as scope:
                     self._waiting, self._waiting_until = scope, self._deadline
-                    await trio.lowlevel.wait_readable(self._epoll.fileno())
+                    while self._running:
+                        await trio.lowlevel.wait_readable(descriptor)
+                        self._round()
                 self._waiting = None
-                events = self._epoll.poll(0)
-                if not events or trio.current_time() >= self._deadline:
-                    self._act(pycurl.SOCKET_TIMEOUT, 0)
-                for fd, mask in events:
-                    self._act(fd, _curl_mask(mask))
+                if scope.cancelled_caught:  # the timer's deadline came
+                    self._round()
         except trio.Cancelled:
             raise
         except BaseException as exc:  # never let a system task take the run down
@@ -220,6 +264,15 @@ class TrioCurl:
             # Cancelled with GETs in flight: the run is ending.
             self._fail_all("GET driver stopped")
 
+    def _round(self) -> None:
+        """Let libcurl act on the sockets that are ready, or on its timer if it is due
+        or none is (a wakeup for nothing costs one `socket_action`)."""
+        events = self._epoll.poll(0)
+        if not events or trio.current_time() >= self._deadline:
+            self._act(pycurl.SOCKET_TIMEOUT, 0)
+        for fd, mask in events:
+            self._act(fd, _curl_mask(mask))
+
     def _fail_all(self, message: str) -> None:
         """Fail every GET in flight and wake its task (whatever state libcurl is in)."""
         for curl, transfer in list(self._running.items()):
@@ -227,6 +280,7 @@ class TrioCurl:
             with contextlib.suppress(pycurl.error):
                 self._multi.remove_handle(curl)
             self._spare.append(curl)
+            self._stop_waking_late(transfer)
             transfer.error, transfer.message = -1, message
             task, transfer._task = transfer._task, None
             if task is not None:
@@ -245,22 +299,53 @@ class TrioCurl:
                     transfer.error, transfer.message = code, message
                 self._finish(curl)
             if not queued:
-                return
+                break
+        if self._wakes_due:
+            self._set_wakes()
+
+    def _set_wakes(self) -> None:
+        """Give the sockets of the large transfers that asked their new low-water mark
+        (outside libcurl's callbacks, where it can say which socket a transfer uses). A
+        mark above one only on a transfer still running, whose socket is its own."""
+        for transfer in self._wakes_due:
+            transfer._wake_queued = False
+            want = transfer._wake_want
+            if want == transfer._wake_at:
+                continue
+            if want > 1:
+                if transfer._curl is None or self._running.get(transfer._curl) is not transfer:
+                    continue
+                if transfer._socket < 0:
+                    transfer._socket = transfer._curl.getinfo(pycurl.ACTIVESOCKET)
+            _set_low_water(transfer._socket, want)
+            transfer._wake_at = want
+        self._wakes_due.clear()
+
+    def _stop_waking_late(self, transfer: Transfer) -> None:
+        """A transfer leaving with a raised mark: its socket back to waking at every
+        byte (libcurl may keep the connection for another GET). Harmless if libcurl
+        closed that socket, or its number is another's now: one byte is the default."""
+        if transfer._wake_at > 1:
+            _set_low_water(transfer._socket, 1)
+            transfer._wake_at = transfer._wake_want = 1
 
     def _finish(self, curl: pycurl.Curl) -> None:
         transfer = self._running.get(curl)
         if transfer is None:
             return
-        transfer.status = curl.getinfo(pycurl.RESPONSE_CODE)
-        self._remove(curl)
-        task, transfer._task = transfer._task, None
-        if task is not None:
-            trio.lowlevel.reschedule(task)
+        try:
+            transfer.status = curl.getinfo(pycurl.RESPONSE_CODE)
+            self._remove(curl)
+        finally:  # whatever failed, the GET's task must not wait forever
+            task, transfer._task = transfer._task, None
+            if task is not None:
+                trio.lowlevel.reschedule(task)
 
     def _remove(self, curl: pycurl.Curl) -> None:
-        self._running.pop(curl)
+        transfer = self._running.pop(curl)
         self._multi.remove_handle(curl)
         self._spare.append(curl)
+        self._stop_waking_late(transfer)
 
     def _new_handle(self) -> pycurl.Curl:
         curl = pycurl.Curl()
@@ -311,6 +396,23 @@ class TrioCurl:
         self._deadline = deadline
         if self._waiting is not None and deadline < self._waiting_until:
             self._waiting.deadline = self._waiting_until = deadline
+
+
+def _set_low_water(fd: int, nbytes: int) -> None:
+    """SO_RCVLOWAT of a socket libcurl owns (wrapped, never closed here); a socket gone
+    meanwhile is left alone."""
+    if fd < 0:
+        return
+    try:  # closed by libcurl (a failed transfer's connection): the wrapper refuses it
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0, fd)
+    except OSError:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
 
 
 def _curl_mask(events: int) -> int:
