@@ -307,7 +307,9 @@ class TrioCurl:
         """Give the sockets of the large transfers that asked their new low-water mark
         (outside libcurl's callbacks, where it can say which socket a transfer uses). A
         mark above one only on a transfer still running, whose socket is its own."""
-        for transfer in self._wakes_due:
+        due = list(self._wakes_due)
+        self._wakes_due.clear()  # before anything can fail: none is left queued
+        for transfer in due:
             transfer._wake_queued = False
             want = transfer._wake_want
             if want == transfer._wake_at:
@@ -316,10 +318,12 @@ class TrioCurl:
                 if transfer._curl is None or self._running.get(transfer._curl) is not transfer:
                     continue
                 if transfer._socket < 0:
-                    transfer._socket = transfer._curl.getinfo(pycurl.ACTIVESOCKET)
+                    try:
+                        transfer._socket = transfer._curl.getinfo(pycurl.ACTIVESOCKET)
+                    except pycurl.error:  # no socket to name: it wakes at every byte
+                        continue
             _set_low_water(transfer._socket, want)
             transfer._wake_at = want
-        self._wakes_due.clear()
 
     def _stop_waking_late(self, transfer: Transfer) -> None:
         """A transfer leaving with a raised mark: its socket back to waking at every
