@@ -104,15 +104,11 @@ def _summary(rows: list[dict[str, float]], size: int) -> dict[str, Any]:
             "cpu_s_per_gib_median": statistics.median(per_gib)}
 
 
-def _span(values: list[float], digits: int) -> str:
-    low, high, mid = min(values), max(values), statistics.median(values)
-    return f"{mid:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
-
-
 def _read_through_mount(origin: Any, work: Path, flags: str) -> dict[str, float]:
     """One cold `dd` of the object through a fresh mount with these flags."""
     from bench.harness.contenders import MountContext, _bucketfs
     from bench.harness.mounts import MountProcess
+    from bench.harness.runner import drop_page_cache
 
     scratch = Path(tempfile.mkdtemp(dir=work))
     argv = tuple(shlex.split(flags.replace("{scratch}", str(scratch))))
@@ -121,7 +117,7 @@ def _read_through_mount(origin: Any, work: Path, flags: str) -> dict[str, float]
     mount = MountProcess(_bucketfs(ctx, argv), scratch / "mount.log")
     mount.start(work / "mnt" / "train" / "c" / "a.jpg")
     try:
-        subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=True)
+        drop_page_cache()
         cpu, started = mount.cpu_seconds(), time.monotonic()
         subprocess.run(["dd", f"if={work / 'mnt' / KEY}", "of=/dev/null", "bs=1M"],
                        check=True, capture_output=True)
@@ -166,6 +162,7 @@ def main() -> None:
     from bench.harness.origin import Origin
     from bench.harness.saving import save_results
     from bench.harness.scenarios import LINKS
+    from bench.harness.stats import format_summary, summarize
 
     link = LINKS[args.link]
     arms = dict(arm.split("=", 1) for arm in args.arm) or {
@@ -205,7 +202,8 @@ def main() -> None:
              f"interleaved. Machine: {platform.node()}, {os.cpu_count()} cores.", "",
              "| reader | MiB/s | CPU-s per GiB |", "| --- | ---: | ---: |"]
     for name, row in summary.items():
-        lines.append(f"| {name} | {_span(row['MiBps'], 1)} | {_span(row['cpu_s_per_gib'], 2)} |")
+        rate, cpu = summarize(row["MiBps"]), summarize(row["cpu_s_per_gib"])
+        lines.append(f"| {name} | {format_summary(rate)} | {format_summary(cpu, 2)} |")
     table = "\n".join(lines)
     print(table)
     save_results(args.out, "link-large", {"args": vars(args) | {"out": str(args.out)},

@@ -103,11 +103,11 @@ class Transfer:
         self._view[self._filled:end] = data  # type: ignore[index]
         self._filled = end
         left = self.length - end
-        if not left or self._chunked():
+        if not left:
             return None  # the engine resets the mark as the transfer leaves
         want = min(left, WAKE_BYTES)
         want = 1 << (want.bit_length() - 1)  # a power of two: it changes seldom
-        if want != self._wake_want:
+        if want != self._wake_want and not self._chunked():
             self._wake_want = want
             if not self._wake_queued:
                 self._wake_queued = True
@@ -315,7 +315,7 @@ class TrioCurl:
             if want == transfer._wake_at:
                 continue
             if want > 1:
-                if transfer._curl is None or self._running.get(transfer._curl) is not transfer:
+                if self._running.get(transfer._curl) is not transfer:
                     continue
                 if transfer._socket < 0:
                     try:
