@@ -44,7 +44,10 @@ LARGE_BODY = 1024 * 1024
 #: it is there (SO_RCVLOWAT), or all that is left of it: the reader waits for the whole
 #: block anyway, and over a link that brings ~50 KB per wakeup, each a round through
 #: trio and libcurl, the rounds were a third of the daemon's CPU per GiB (step 43).
-WAKE_BYTES = 256 * 1024
+#: 1 MiB took 7% (near link) and 20% (far link) off what 256 KiB left (step 45); the
+#: kernel grows the socket's buffer to hold the mark (and caps the mark at half its
+#: largest, tcp_rmem's third value).
+WAKE_BYTES = 1024 * 1024
 _EPOLL_OF = {pycurl.POLL_IN: select.EPOLLIN, pycurl.POLL_OUT: select.EPOLLOUT,
              pycurl.POLL_INOUT: select.EPOLLIN | select.EPOLLOUT}
 
@@ -54,7 +57,8 @@ class Transfer:
     """One GET. Its header lines, and a small body's pieces, are appended to lists by
     libcurl's callbacks: `list.append` itself, a C call, where a Python function per
     piece and per line cost a quarter of a 100 KB GET's CPU. A body from LARGE_BODY on
-    is copied into a buffer of its length as its pieces (up to 512 KiB) arrive: joined
+    is copied into a buffer of its length as its pieces (16 KiB at most: libcurl's
+    CURL_MAX_WRITE_SIZE, whatever the read brought) arrive: joined
     at the end, a 4 MiB body held the trio thread, and the FUSE replies waiting on it,
     for ~1 ms, and the near link's sequential read of large files ran 8% slower
     (docs/BENCHMARKS.md, step 34). libcurl stops a body longer than `length`
