@@ -44,7 +44,7 @@ LARGE_BODY = 1024 * 1024
 #: it is there (SO_RCVLOWAT), or all that is left of it: the reader waits for the whole
 #: block anyway, and over a link that brings ~50 KB per wakeup, each a round through
 #: trio and libcurl, the rounds were a third of the daemon's CPU per GiB (step 43).
-#: 1 MiB took 7% (near link) and 20% (far link) off what 256 KiB left (step 45); the
+#: 1 MiB took 14% (near link) and 18% (far link) off what 256 KiB left (step 45); the
 #: kernel grows the socket's buffer to hold the mark (and caps the mark at half its
 #: largest, tcp_rmem's third value).
 WAKE_BYTES = 1024 * 1024
@@ -410,8 +410,7 @@ class TrioCurl:
         if timeout_ms == 0 and self._adding:
             # A GET being added: `get` acts at once, and then moves the deadline if
             # libcurl still wants one earlier than the driver's. Moving it here made the
-            # driver's cancel scope fire and be rebuilt for most cold files (~7% of the
-            # trio thread's samples).
+            # driver's cancel scope fire and be rebuilt for a third of cold files (step 44).
             self._deadline = -math.inf
             return
         try:
