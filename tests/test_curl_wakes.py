@@ -121,6 +121,28 @@ def test_a_slow_body_is_not_taken_for_a_stalled_one(server) -> None:  # noqa: F8
     engine.close()
 
 
+def test_a_mark_longer_than_the_read_timeout_does_not_cut_a_slow_body(
+        server, monkeypatch) -> None:  # noqa: F811
+    """At ~16 KB/s a 128 KiB mark holds the socket quiet for ~8 s, past what libcurl
+    allows a transfer at zero speed (the one-second read timeout after its ~5 s
+    average): libcurl still reads the socket on its own timer every second, below the
+    mark, so it sees the body come and does not cut it (a stalled body is cut after
+    ~7 s: test_curl_gets)."""
+    endpoint, behaviour = server
+    behaviour.trickle, behaviour.pause = 4096, 0.25
+    monkeypatch.setattr(curl_multi, "LARGE_BODY", 64 * 1024)
+    monkeypatch.setattr(curl_multi, "WAKE_BYTES", 128 * 1024)
+    marks: list[int] = []
+    real = curl_multi._set_low_water
+    monkeypatch.setattr(curl_multi, "_set_low_water",
+                        lambda fd, nbytes: (marks.append(nbytes), real(fd, nbytes)))
+    engine = TrioCurl(CurlSettings(connections=1, read_timeout=1))
+    length = 160 * 1024
+    assert get_all(engine, endpoint, [length]) == [BODY[:length]]
+    engine.close()
+    assert 128 * 1024 in marks, marks
+
+
 def test_a_chunked_body_gets_no_mark(server, monkeypatch) -> None:  # noqa: F811
     """A body in chunks ends with a last chunk of a few bytes, which may come after the
     body's own: a mark would hold them until libcurl's next timer, so none is set."""
