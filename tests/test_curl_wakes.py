@@ -110,9 +110,10 @@ def test_the_next_get_on_a_kept_alive_connection_is_not_held(
 
 
 def test_a_slow_body_is_not_taken_for_a_stalled_one(server) -> None:  # noqa: F811
-    """~200 KB/s against a read timeout of one second: the mark holds libcurl's reads
-    ~1.3 s apart, but the timeout is on its average speed (under a byte a second), so
-    the body still comes whole; and the last piece, less than the mark, is read."""
+    """~200 KB/s against a read timeout of one second: the mark holds the socket's
+    wakeups ~2.6 s apart, but the timeout is on libcurl's average speed (under a byte a
+    second), so the body still comes whole; and the last piece, less than the mark, is
+    read."""
     endpoint, behaviour = server
     behaviour.trickle, behaviour.pause = 4096, 0.02
     engine = TrioCurl(CurlSettings(connections=1, read_timeout=1))
@@ -159,11 +160,10 @@ def test_a_chunked_body_gets_no_mark(server, monkeypatch) -> None:  # noqa: F811
     assert marks == []
 
 
-
 def test_adding_a_get_does_not_cut_short_the_drivers_wait(server, monkeypatch) -> None:  # noqa: F811
     """libcurl asks its timer to fire at once as each GET is added; `get` acts at once
     anyway, so the waiting driver keeps its wait, where moving its deadline to "now"
-    cut it short (a cancel scope fired and rebuilt) for most GETs."""
+    cut it short (a cancel scope fired and rebuilt) for many (18-31 of these 160)."""
     endpoint, _ = server
     cut_short = [0]
     real_wait = trio.lowlevel.wait_readable
