@@ -236,9 +236,8 @@ class TrioCurl:
                 self._remove(curl)
             transfer.error, transfer.message = -1, f"libcurl refused the GET: {exc}"
             return transfer
-        finally:
-            if self._deadline < self._waiting_until:  # libcurl still wants an early turn
-                self._move_deadline(self._deadline)
+        finally:  # libcurl may still want an earlier turn than the driver waits for
+            self._move_deadline(self._deadline)
 
         def abort(_: object) -> trio.lowlevel.Abort:
             if self._running.get(curl) is transfer:
