@@ -27,6 +27,13 @@ Actions:
 A rule with a `probability` below 1 applies to that share of the requests it matches,
 drawn from the proxy's RNG (`seed`). `faults` tallies what was injected, by action.
 
+`require_credential(header, value)` makes the proxy a store that checks a credential
+the upstream does not: a request without that header and value is refused (403 for
+"s3", 401 for "gcs") and never forwarded; one with it goes on without it, signed anew
+by `signer` where given (a session token, which the S3 test server cannot check).
+`signed=True` also refuses a request whose SigV4 signature does not cover the header,
+as S3 does.
+
 `outage("refuse")` takes the link down: the port is closed (connects are refused) and
 open connections are cut. `outage("blackhole")` leaves the port open but answers nothing:
 requests and bodies in flight wait until the link is back (the client gives up first if
@@ -198,6 +205,9 @@ class _Connection:
             request.headers = [(k, v) for k, v in request.headers if k.lower() != "expect"]
         request.body = _read_body(rfile, request)
         keep_alive = (request.header("Connection") or "").lower() != "close"
+        if not self.proxy._admit(request):
+            self._reply_error(request, 401 if self.proxy.flavor == "gcs" else 403, "")
+            return keep_alive
         kind, _, arg = (action or "").partition(":")
         if kind == "status":
             code, _, retry_after = arg.partition(":")
@@ -340,6 +350,10 @@ class FaultProxy:
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._active: dict[_Connection, threading.Thread] = {}
+        #: (header, value, signed) that every request must carry (`require_credential`).
+        self._credential: tuple[str, str, bool] | None = None
+        #: Requests refused for lacking it.
+        self.refused = 0
 
     @property
     def endpoint(self) -> str:
@@ -361,6 +375,30 @@ class FaultProxy:
             raise ValueError(f"probability must be in (0, 1], not {probability}")
         with self._lock:
             self._rules.append(_Rule(method, path_contains, action, times, probability))
+
+    def require_credential(self, header: str, value: str, *, signed: bool = False) -> None:
+        """Refuse every request that lacks `header: value` (see the module docstring)."""
+        with self._lock:
+            self._credential = (header.lower(), value, signed)
+
+    def _admit(self, request: _Request) -> bool:
+        """Whether the request carries the required credential; if so, it is taken off
+        (and the request signed anew, where there is a signer)."""
+        with self._lock:
+            credential = self._credential
+        if credential is None:
+            return True
+        header, value, signed = credential
+        authorization = request.header("Authorization") or ""
+        covered = header in authorization.partition("SignedHeaders=")[2].split(",")[0].split(";")
+        if request.header(header) != value or (signed and not covered):
+            with self._lock:
+                self.refused += 1
+            return False
+        request.headers = [(k, v) for k, v in request.headers if k.lower() != header]
+        if self.signer is not None:
+            request.headers = self.signer(request.method, request.target, request.headers)
+        return True
 
     def clear(self) -> None:
         """Drop every rule and forget the requests and answers seen so far (not `faults`)."""

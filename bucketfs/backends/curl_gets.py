@@ -50,8 +50,13 @@ class Signer(Protocol):
         """Fresh enough credentials at hand (may ask the SDK, in a worker thread);
         TransientError if there are none to sign with."""
 
-    def apply(self, curl: pycurl.Curl, headers: list[str]) -> None:
-        """Sign the request: options on the handle, or headers added."""
+    def headers(self) -> list[str]:
+        """The request headers that carry credentials (a session token, a bearer token).
+        They go in the request's header list before it is set on the handle: libcurl
+        copies that list when it is set, so a header appended later is never sent."""
+
+    def apply(self, curl: pycurl.Curl) -> None:
+        """Options on the handle that sign the request (SigV4: libcurl signs it)."""
 
 
 class Unsigned:
@@ -60,7 +65,10 @@ class Unsigned:
     async def ready(self) -> None:
         return None
 
-    def apply(self, curl: pycurl.Curl, headers: list[str]) -> None:
+    def headers(self) -> list[str]:
+        return []
+
+    def apply(self, curl: pycurl.Curl) -> None:
         return None
 
 
@@ -102,13 +110,17 @@ class SigV4:
             return
         self._frozen, self._checked = frozen, time.monotonic()
 
-    def apply(self, curl: pycurl.Curl, headers: list[str]) -> None:
+    def headers(self) -> list[str]:
+        # Temporary credentials (an instance or pod role, SSO, an assumed role): S3
+        # refuses their key without the token. libcurl signs it with the other headers.
+        token = self._frozen.token
+        return [f"x-amz-security-token: {token}"] if token else []
+
+    def apply(self, curl: pycurl.Curl) -> None:
         frozen = self._frozen
         curl.setopt(pycurl.AWS_SIGV4, self._provider)
         curl.setopt(pycurl.USERNAME, frozen.access_key)
         curl.setopt(pycurl.PASSWORD, frozen.secret_key)
-        if frozen.token:
-            headers.append(f"x-amz-security-token: {frozen.token}")
 
 
 class BearerToken:
@@ -134,8 +146,11 @@ class BearerToken:
 
         self._credentials.refresh(Request())
 
-    def apply(self, curl: pycurl.Curl, headers: list[str]) -> None:
-        headers.append(f"Authorization: Bearer {self._credentials.token}")
+    def headers(self) -> list[str]:
+        return [f"Authorization: Bearer {self._credentials.token}"]
+
+    def apply(self, curl: pycurl.Curl) -> None:
+        return None
 
 
 def object_path(key: str) -> str:
@@ -179,9 +194,10 @@ class CurlRangedGets:
             await self.signer.ready()
         except TransientError as exc:
             raise TransientError(f"{self.where(key)}: {exc}") from None
-        headers = [f"Range: bytes={start}-{start + length - 1}", *self.pinned(version)]
+        headers = [f"Range: bytes={start}-{start + length - 1}", *self.pinned(version),
+                   *self.signer.headers()]
         transfer = Transfer(self.url_of(key, version), headers, length)
-        await self._engine.get(transfer, lambda curl: self.signer.apply(curl, headers))
+        await self._engine.get(transfer, self.signer.apply)
         data = transfer.take_body()  # taken even on failure: nothing partial kept
         if transfer.error:
             self._raise(key, transfer)

@@ -200,7 +200,8 @@ class TrioCurl:
     async def get(self, transfer: Transfer,
                   prepare: Callable[[pycurl.Curl], None] | None = None) -> Transfer:
         """Run the GET; the transfer comes back with its status, body and error set.
-        `prepare` sets per-request options (credentials) on the handle."""
+        `prepare` sets per-request options (credentials) on the handle. The request's
+        headers are `transfer.headers` as they are now: pycurl copies the list."""
         await trio.lowlevel.checkpoint_if_cancelled()
         curl = self._spare.pop() if self._spare else self._new_handle()
         curl.setopt(pycurl.URL, transfer.url)

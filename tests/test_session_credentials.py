@@ -1,0 +1,145 @@
+"""Temporary credentials reach the store on every request, the daemon's libcurl GETs
+included: an S3 session token (an instance or pod role, SSO, an assumed role) and a GCS
+OAuth token. The test servers check neither, so a proxy in front of them does, as AWS
+and GCS would: a request without the credential is refused (403 / 401) and never
+forwarded. The daemon's GETs once left both out (the header list was copied by libcurl
+before the credential was added to it), so `ls` worked and every read failed."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from unittest import mock
+
+import boto3
+import pytest
+import trio
+from botocore.config import Config
+from botocore.exceptions import ClientError
+from google.oauth2.credentials import Credentials as TokenCredentials
+
+from bucketfs.backends import gcs
+from bucketfs.backends.base import AccessDenied
+from bucketfs.backends.gcs import GcsBackend
+from bucketfs.backends.retry import RetryPolicy
+from bucketfs.backends.settings import BackendSettings
+from bucketfs.backends.store import ObjectStore
+from tests.faultproxy import FaultProxy, sigv4_signer
+from tests.mounting import mounted, read_log
+
+TOKEN = "IQoJb3JpZ2luX2VjEXAMPLEsessionTOKEN" + "x" * 40
+MiB = 1024**2
+FILES = {name: random.Random(name).randbytes(size) for name, size in [
+    ("small.jpg", 100_000), ("two/deep.jpg", 50_000), ("large.bin", 9 * MiB),
+]}
+
+
+@pytest.fixture
+def token_gated_s3(s3_server):
+    """SeaweedFS behind a proxy that wants TOKEN, signed, in every request."""
+    bucket = "session-" + os.urandom(4).hex()
+    s3_server.create_bucket(bucket)
+    for name, data in FILES.items():
+        s3_server.put(bucket, name, data)
+    host, port = s3_server.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port), signer=sigv4_signer(
+        s3_server.access_key, s3_server.secret_key, s3_server.region)).start()
+    proxy.require_credential("x-amz-security-token", TOKEN, signed=True)
+    try:
+        yield bucket, proxy
+    finally:
+        proxy.stop()
+
+
+def client(s3_server, endpoint: str, token: str | None):
+    return boto3.client(
+        "s3", endpoint_url=endpoint, region_name=s3_server.region,
+        aws_access_key_id=s3_server.access_key, aws_secret_access_key=s3_server.secret_key,
+        aws_session_token=token,
+        config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 1}))
+
+
+def test_the_gate_refuses_a_request_without_the_token(s3_server, token_gated_s3):
+    bucket, proxy = token_gated_s3
+    with pytest.raises(ClientError) as caught:
+        client(s3_server, proxy.endpoint, None).head_object(Bucket=bucket, Key="small.jpg")
+    assert caught.value.response["ResponseMetadata"]["HTTPStatusCode"] == 403
+    with pytest.raises(ClientError):
+        client(s3_server, proxy.endpoint, "another").head_object(Bucket=bucket, Key="small.jpg")
+    answer = client(s3_server, proxy.endpoint, TOKEN).get_object(Bucket=bucket, Key="small.jpg")
+    assert answer["Body"].read() == FILES["small.jpg"]
+    assert proxy.refused == 2
+
+
+@pytest.mark.fuse
+def test_a_mount_with_a_session_token_reads_every_byte(s3_server, token_gated_s3, tmp_path):
+    bucket, proxy = token_gated_s3
+    env = {**s3_server.env(), "AWS_ENDPOINT_URL": proxy.endpoint, "AWS_SESSION_TOKEN": TOKEN}
+    mountpoint = tmp_path / "mnt"
+    with mounted(f"s3://{bucket}", mountpoint, "--addressing-style", "path",
+                 "--retry-attempts", "1", env=env):
+        for name, data in FILES.items():
+            assert (mountpoint / name).read_bytes() == data
+    gets = [status for method, _, status in proxy.answers if method == "GET"]
+    # The listing (boto3) and the reads (libcurl: the large file in several ranges).
+    assert len(gets) >= 1 + len(FILES) and set(gets) <= {200, 206}, gets
+    assert proxy.refused == 0
+    log = read_log(tmp_path / "mnt.log")
+    assert TOKEN not in log and s3_server.secret_key not in log
+
+
+@pytest.fixture
+def token_gated_gcs(gcs_server):
+    bucket = "session-" + os.urandom(4).hex()
+    gcs_server.create_bucket(bucket)
+    for name, data in FILES.items():
+        gcs_server.put(bucket, name, data)
+    host, port = gcs_server.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port), flavor="gcs").start()
+    proxy.require_credential("authorization", f"Bearer {TOKEN}")
+    try:
+        yield bucket, proxy
+    finally:
+        proxy.stop()
+
+
+def gcs_backend(bucket: str, proxy: FaultProxy, token: str | None) -> GcsBackend:
+    """A GCS backend through the proxy, with an OAuth token as google.auth.default()
+    gives one on a node (the emulator's settings would otherwise make it anonymous)."""
+    if token is None:
+        credentials = gcs.AnonymousCredentials()
+    else:
+        # google-auth compares a naive UTC expiry.
+        expiry = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
+        credentials = TokenCredentials(token, expiry=expiry + datetime.timedelta(hours=1))
+    with (mock.patch.dict(os.environ, {"STORAGE_EMULATOR_HOST": proxy.endpoint}),
+          mock.patch.object(gcs, "_credentials", lambda *_: (credentials, "test"))):
+        return GcsBackend(bucket, BackendSettings())
+
+
+def test_gcs_gets_carry_the_oauth_token(token_gated_gcs):
+    bucket, proxy = token_gated_gcs
+    backend = gcs_backend(bucket, proxy, TOKEN)
+    store = ObjectStore(backend, max_workers=2, retry=RetryPolicy(1))
+    try:
+        for name, data in FILES.items():
+            version = backend.head(name).version  # the SDK's request
+            got = trio.run(store.get_range, name, version, 0, len(data))  # libcurl's
+            assert bytes(got) == data
+            assert bytes(trio.run(store.get_range, name, version, 7, 1000)) == data[7:1007]
+    finally:
+        backend.close()
+    assert proxy.refused == 0
+
+
+def test_gcs_without_the_token_is_refused_by_the_gate(token_gated_gcs):
+    bucket, proxy = token_gated_gcs
+    backend = gcs_backend(bucket, proxy, None)
+    store = ObjectStore(backend, max_workers=2, retry=RetryPolicy(1))
+    try:
+        with pytest.raises(AccessDenied):
+            trio.run(store.get_range, "small.jpg", "1", 0, 10)
+    finally:
+        backend.close()
+    assert proxy.refused >= 1
