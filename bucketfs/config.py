@@ -248,7 +248,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("s3", "endpoint_url", _optional_str, None,
            "S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS)", None),
     Option("s3", "region", _optional_str, None,
-           "region (default: the AWS SDK's chain: AWS_REGION, ~/.aws/config)", None),
+           "region (default: the AWS SDK's chain: AWS_DEFAULT_REGION, ~/.aws/config)", None),
     Option("s3", "addressing_style", _choice("auto", "path", "virtual"), "auto",
            "path-style addressing is what most S3-compatible stores want", '"auto"'),
     Option("s3", "profile", _optional_str, None,

@@ -239,6 +239,7 @@ async def _check_access(backend: Backend, namespace: Namespace) -> None:
         if probe is not None:
             try:
                 await checker.head(probe)
+                await checker.locate()  # as check_access does
                 return
             except NotFound:
                 pass  # the saved listing is out of date there; ask the bucket itself

@@ -34,6 +34,11 @@ by `signer` where given (a session token, which the S3 test server cannot check)
 `signed=True` also refuses a request whose SigV4 signature does not cover the header,
 as S3 does.
 
+`bucket_region(region)` makes the proxy answer as S3 does for a bucket in `region`: a
+request signed for another region gets 400 AuthorizationHeaderMalformed naming the
+right one (a HEAD, no body), and every answer, refusals included, carries
+`x-amz-bucket-region`.
+
 `outage("refuse")` takes the link down: the port is closed (connects are refused) and
 open connections are cut. `outage("blackhole")` leaves the port open but answers nothing:
 requests and bodies in flight wait until the link is back (the client gives up first if
@@ -208,6 +213,10 @@ class _Connection:
         if not self.proxy._admit(request):
             self._reply_error(request, 401 if self.proxy.flavor == "gcs" else 403, "")
             return keep_alive
+        wrong = self.proxy._signed_for(request)
+        if wrong is not None:
+            self._reply_wrong_region(request, wrong)
+            return keep_alive
         kind, _, arg = (action or "").partition(":")
         if kind == "status":
             code, _, retry_after = arg.partition(":")
@@ -242,9 +251,24 @@ class _Connection:
             ).encode()
             content_type = "application/xml"
         extra = f"Retry-After: {retry_after}\r\n" if retry_after else ""
+        if self.proxy.region is not None:  # S3 names it even in a refusal
+            extra += f"x-amz-bucket-region: {self.proxy.region}\r\n"
         head = (
             f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n{extra}"
             f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode("latin-1")
+        self.client.sendall(head if request.method == "HEAD" else head + body)
+
+    def _reply_wrong_region(self, request: _Request, wrong: str) -> None:
+        region = self.proxy.region
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AuthorizationHeaderMalformed'
+            f"</Code><Message>The authorization header is malformed; the region '{wrong}' "
+            f"is wrong; expecting '{region}'</Message><Region>{region}</Region></Error>"
+        ).encode()
+        head = (
+            "HTTP/1.1 400 Bad Request\r\nContent-Type: application/xml\r\n"
+            f"x-amz-bucket-region: {region}\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
         self.client.sendall(head if request.method == "HEAD" else head + body)
 
@@ -286,6 +310,8 @@ class _Connection:
         head += "".join(
             f"{name}: {value}\r\n" for name, value in resp.getheaders() if name.lower() != hidden
         )
+        if self.proxy.region is not None:
+            head += f"x-amz-bucket-region: {self.proxy.region}\r\n"
         self.client.sendall((head + "\r\n").encode("latin-1"))
         if kind in _CUTS:
             return self._cut(resp, kind, arg)
@@ -354,6 +380,10 @@ class FaultProxy:
         self._credential: tuple[str, str, bool] | None = None
         #: Requests refused for lacking it.
         self.refused = 0
+        #: The region S3 would say the bucket is in (`bucket_region`), and the requests
+        #: refused for being signed for another.
+        self.region: str | None = None
+        self.wrong_region = 0
 
     @property
     def endpoint(self) -> str:
@@ -380,6 +410,25 @@ class FaultProxy:
         """Refuse every request that lacks `header: value` (see the module docstring)."""
         with self._lock:
             self._credential = (header.lower(), value, signed)
+
+    def bucket_region(self, region: str) -> None:
+        """Answer as S3 for a bucket in `region` (see the module docstring)."""
+        with self._lock:
+            self.region = region
+
+    def _signed_for(self, request: _Request) -> str | None:
+        """The region a SigV4 request is signed for, if it is; None if another one."""
+        with self._lock:
+            region = self.region
+        if region is None:
+            return None
+        scope = (request.header("Authorization") or "").partition("Credential=")[2]
+        signed = scope.split(",")[0].split("/")[2:3]
+        if signed and signed[0] != region:
+            with self._lock:
+                self.wrong_region += 1
+            return signed[0]
+        return None
 
     def _admit(self, request: _Request) -> bool:
         """Whether the request carries the required credential; if so, it is taken off

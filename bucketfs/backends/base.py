@@ -76,7 +76,9 @@ class Backend(Protocol):
 
     A backend may also have `async_get_range`: `get_range`'s contract as a coroutine
     that runs on the trio thread (s3 and gs: libcurl, curl_gets.py), or None.
-    `ObjectStore` prefers it to a worker thread."""
+    `ObjectStore` prefers it to a worker thread. It may also have `locate`: find where
+    the bucket is (s3: its region) and point its requests there, once; it never raises,
+    and `check_access` does it too."""
 
     #: The URL the user gave, without credentials, for messages.
     url: str

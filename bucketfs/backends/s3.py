@@ -9,6 +9,7 @@ retries, so every attempt here is exactly one HTTP request.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -49,10 +50,12 @@ from bucketfs.backends.common import (
     public_endpoint,
     retry_after,
 )
-from bucketfs.backends.curl_gets import CurlRangedGets, SigV4, Unsigned, object_path
+from bucketfs.backends.curl_gets import CurlRangedGets, Signer, SigV4, Unsigned, object_path
 from bucketfs.backends.curl_multi import CurlSettings, ca_file
 from bucketfs.backends.fastget import RETRY_CONFIG, RangedGets, client_options
 from bucketfs.backends.settings import BackendSettings
+
+log = logging.getLogger(__name__)
 
 _DENIED_CODES = frozenset(
     {
@@ -124,6 +127,16 @@ def _fast_store(bucket: str, client: Any, session: boto3.session.Session,
     return S3Store(bucket, **options)
 
 
+def _curl_target(bucket: str, client: Any, session: boto3.session.Session,
+                 settings: BackendSettings) -> tuple[Callable[[str, str], str], Signer]:
+    """Where the daemon's GETs go and how they are signed, as the boto3 client would."""
+    _, _, base = _addressing(bucket, client.meta.endpoint_url, settings.addressing_style)
+    credentials = session.get_credentials()
+    signer = Unsigned() if credentials is None else SigV4(
+        credentials, client.meta.region_name or "us-east-1")
+    return (lambda key, version: f"{base}/{object_path(key)}"), signer
+
+
 def _curl_gets(bucket: str, client: Any, session: boto3.session.Session,
                settings: BackendSettings, where: Callable[[str], str],
                ) -> CurlRangedGets | None:
@@ -132,14 +145,11 @@ def _curl_gets(bucket: str, client: Any, session: boto3.session.Session,
     obstore fetches."""
     if bucket.endswith("--x-s3"):
         return None
-    _, _, base = _addressing(bucket, client.meta.endpoint_url, settings.addressing_style)
-    credentials = session.get_credentials()
-    signer = Unsigned() if credentials is None else SigV4(
-        credentials, client.meta.region_name or "us-east-1")
+    url_of, signer = _curl_target(bucket, client, session, settings)
     return CurlRangedGets(
         CurlSettings(settings.max_connections, settings.connect_timeout,
                      settings.read_timeout, ca_file(os.environ.get("AWS_CA_BUNDLE"))),
-        signer, url_of=lambda key, version: f"{base}/{object_path(key)}",
+        signer, url_of=url_of,
         pinned=lambda version: [f'If-Match: "{version}"'], answered_header="etag",
         where=where)
 
@@ -187,19 +197,67 @@ class S3Backend:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        session, self._client = _open_client(settings, str(self.url), config)
-        self.endpoint = public_endpoint(self._client.meta.endpoint_url)
-        self._gets = RangedGets(
-            _fast_store(bucket, self._client, session, settings),
-            where=lambda key: f"{self._where(key)} via {self.endpoint}",
-            pinned=lambda version: {"if_match": f'"{version}"'},
-            answered=lambda meta: None if meta.get("e_tag") is None else _etag(meta["e_tag"]))
+        self._settings, self._config = settings, config
+        self._located = False
+        self._session, self._client = _open_client(settings, str(self.url), config)
+        self._gets = self._obstore_gets()
         self._curl_gets = _curl_gets(
-            bucket, self._client, session, settings,
+            bucket, self._client, self._session, settings,
             where=lambda key: f"{self._where(key)} via {self.endpoint}")
         #: The daemon's GETs: a coroutine on the trio thread (ObjectStore prefers it).
         self.async_get_range = (None if self._curl_gets is None
                                 else self._curl_gets.get_range)
+
+    @property
+    def endpoint(self) -> str:
+        return public_endpoint(self._client.meta.endpoint_url)
+
+    def _obstore_gets(self) -> RangedGets:
+        return RangedGets(
+            _fast_store(self.bucket, self._client, self._session, self._settings),
+            where=lambda key: f"{self._where(key)} via {self.endpoint}",
+            pinned=lambda version: {"if_match": f'"{version}"'},
+            answered=lambda meta: None if meta.get("e_tag") is None else _etag(meta["e_tag"]))
+
+    def locate(self) -> None:
+        """Sign for the region S3 says the bucket is in, where it is not the one
+        configured (once): a node's region names where it runs, not where each bucket
+        is, and a GET signed for another region is refused (boto3 follows S3's answer
+        for its own requests; the daemon's GETs and obstore's do not). HeadBucket names
+        the region even when it is refused."""
+        if self._located:
+            return
+        self._located = True
+        configured = self._client.meta.region_name
+        try:
+            answer = self._client.head_bucket(Bucket=self.bucket)["ResponseMetadata"]
+        except ClientError as exc:
+            answer = exc.response.get("ResponseMetadata", {})
+        except BotoCoreError:
+            return  # the listing just worked; the GETs will say what is wrong
+        region = answer.get("HTTPHeaders", {}).get("x-amz-bucket-region")
+        if not region or region == configured:
+            return
+        # AWS's own endpoint is the region's; any other (named, or AWS_ENDPOINT_URL's)
+        # stays as the first client found it.
+        endpoint: str | None = self._client.meta.endpoint_url
+        if urlsplit(endpoint).hostname.endswith(".amazonaws.com"):  # type: ignore[union-attr]
+            endpoint = None
+        try:
+            client = self._session.client("s3", endpoint_url=endpoint, region_name=region,
+                                          config=self._config)
+        except BotoCoreError as exc:
+            log.warning("%s is in %s, but no client for it: %s", self.url, region,
+                        one_line(str(exc)))
+            return
+        log.info("%s is in %s, not %s as configured: requests are signed for %s",
+                 self.url, region, configured, region)
+        # The old client is left to the collector: another thread may be using it.
+        self._client = client
+        self._gets = self._obstore_gets()
+        if self._curl_gets is not None:
+            self._curl_gets.url_of, self._curl_gets.signer = _curl_target(
+                self.bucket, client, self._session, self._settings)
 
     def close(self) -> None:
         if self._curl_gets is not None:
@@ -211,6 +269,7 @@ class S3Backend:
             self._client.list_objects_v2(Bucket=self.bucket, MaxKeys=1)
         except (ClientError, BotoCoreError) as exc:
             self._raise(exc, None, NoSuchBucket)
+        self.locate()
 
     def list_page(
         self, prefix: str, delimiter: str | None, token: str | None, page_size: int

@@ -115,6 +115,12 @@ class ObjectStore:
     def _count_retry(self) -> None:
         self.counts.retries += 1
 
+    async def locate(self) -> None:
+        """Let the backend find where its bucket is (base.py: `locate`), if it can."""
+        locate = getattr(self.backend, "locate", None)
+        if locate is not None:
+            await self._run(f"locating {self.backend.url}", "head", locate)
+
     async def check_access(self) -> None:
         await self._run(f"checking {self.backend.url}", "list", self.backend.check_access)
 

@@ -1,9 +1,15 @@
-"""Temporary credentials reach the store on every request, the daemon's libcurl GETs
-included: an S3 session token (an instance or pod role, SSO, an assumed role) and a GCS
-OAuth token. The test servers check neither, so a proxy in front of them does, as AWS
-and GCS would: a request without the credential is refused (403 / 401) and never
-forwarded. The daemon's GETs once left both out (the header list was copied by libcurl
-before the credential was added to it), so `ls` worked and every read failed."""
+"""What AWS and GCS check of every request and the test servers do not, so a proxy in
+front of SeaweedFS and fake-gcs-server checks it as they would:
+
+- Temporary credentials: an S3 session token (an instance or pod role, SSO, an assumed
+  role) and a GCS OAuth token, on every request, the daemon's libcurl GETs included. A
+  request without them is refused (403 / 401) and never forwarded. The daemon's GETs
+  once left both out (libcurl had copied the header list before the credential was
+  added to it), so `ls` worked and every read failed.
+- The bucket's region: a request signed for another region is refused with S3's answer
+  naming the right one. boto3 follows that answer for its own requests; the daemon's
+  GETs once kept signing for the configured region, so every read failed.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from bucketfs.backends import gcs
 from bucketfs.backends.base import AccessDenied
 from bucketfs.backends.gcs import GcsBackend
 from bucketfs.backends.retry import RetryPolicy
+from bucketfs.backends.s3 import S3Backend
 from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.store import ObjectStore
 from tests.faultproxy import FaultProxy, sigv4_signer
@@ -143,3 +150,68 @@ def test_gcs_without_the_token_is_refused_by_the_gate(token_gated_gcs):
     finally:
         backend.close()
     assert proxy.refused >= 1
+
+
+@pytest.fixture
+def bucket_elsewhere(s3_server):
+    """SeaweedFS behind a proxy that answers as S3 for a bucket in eu-west-3."""
+    bucket = "region-" + os.urandom(4).hex()
+    s3_server.create_bucket(bucket)
+    for name, data in FILES.items():
+        s3_server.put(bucket, name, data)
+    host, port = s3_server.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port)).start()
+    proxy.bucket_region("eu-west-3")
+    try:
+        yield bucket, proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.fuse
+def test_a_bucket_in_another_region_than_configured_is_read(s3_server, bucket_elsewhere,
+                                                             tmp_path):
+    # A node's AWS_REGION names where it runs, not where each bucket is. boto3 follows
+    # S3's answer for its own requests; the daemon's GETs must sign for that region too,
+    # also after a remount, whose access check is a HEAD of an object it knew, no LIST.
+    bucket, proxy = bucket_elsewhere
+    env = {**s3_server.env(), "AWS_ENDPOINT_URL": proxy.endpoint,
+           "AWS_DEFAULT_REGION": "us-west-2"}
+    mountpoint, names = tmp_path / "mnt", list(FILES)
+    args = ("--addressing-style", "path", "--retry-attempts", "1",
+            "--cache-dir", str(tmp_path / "cache"))
+    with mounted(f"s3://{bucket}", mountpoint, *args, env=env):
+        assert (mountpoint / names[0]).read_bytes() == FILES[names[0]]
+    proxy.clear()
+    with mounted(f"s3://{bucket}", mountpoint, *args, env=env):
+        for name in names:
+            assert (mountpoint / name).read_bytes() == FILES[name]
+    # The remount kept its listing: its access check was a HEAD of a file it knew.
+    method, path = proxy.requests[0]
+    assert method == "HEAD" and path.removeprefix(f"/{bucket}/") in FILES
+    log = read_log(tmp_path / "mnt.log")
+    assert log.count("is in eu-west-3, not us-west-2") == 2  # said at each mount
+    # Only each mount's first request may be signed for the wrong region.
+    assert proxy.wrong_region <= 2, proxy.wrong_region
+
+
+@pytest.mark.parametrize("head_bucket", ["allowed", "refused"])
+def test_both_get_paths_follow_the_buckets_region(s3_server, bucket_elsewhere, head_bucket):
+    bucket, proxy = bucket_elsewhere
+    if head_bucket == "refused":  # S3 still names the region in the 403
+        proxy.add_rule(method="HEAD", path_contains=f"/{bucket}", action="status:403",
+                       times=1)
+    env = {**s3_server.env(), "AWS_ENDPOINT_URL": proxy.endpoint,
+           "AWS_DEFAULT_REGION": "us-west-2"}
+    with mock.patch.dict(os.environ, env):
+        backend = S3Backend(bucket, BackendSettings(addressing_style="path"))
+    try:
+        backend.check_access()
+        data = FILES["small.jpg"]
+        version = backend.head("small.jpg").version
+        store = ObjectStore(backend, max_workers=2, retry=RetryPolicy(1))
+        assert bytes(trio.run(store.get_range, "small.jpg", version, 0, len(data))) == data
+        assert bytes(backend.get_range("small.jpg", version, 5, 500)) == data[5:505]  # obstore
+    finally:
+        backend.close()
+    assert proxy.wrong_region == 1  # the first listing, which boto3 followed
