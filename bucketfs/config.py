@@ -253,6 +253,9 @@ OPTIONS: tuple[Option, ...] = (
            "path-style addressing is what most S3-compatible stores want", '"auto"'),
     Option("s3", "profile", _optional_str, None,
            "AWS profile from ~/.aws/config (default: AWS_PROFILE or 'default')", None),
+    Option("s3", "sign_request", _bool, True,
+           "sign requests with the credentials found; --no-sign-request (false) reads a "
+           "public bucket without credentials, as the AWS CLI's flag", "true"),
     Option("gcs", "project", _optional_str, None,
            "GCS project (default: from application default credentials)", None),
     Option("gcs", "anonymous", _bool, False,

@@ -153,6 +153,7 @@ def backend_settings(config: Config) -> BackendSettings:
         region=config.region,
         addressing_style=config.addressing_style,
         profile=config.profile,
+        s3_unsigned=not config.sign_request,
         gcs_project=config.project,
         gcs_anonymous=config.anonymous,
     )
@@ -160,9 +161,10 @@ def backend_settings(config: Config) -> BackendSettings:
 
 def open_shared_store(config: Config) -> SharedStore:
     """The shared tier's bucket, reached with the origin's credentials, region and
-    addressing style, at its own endpoint if one is given."""
+    addressing style, at its own endpoint if one is given; signed even where the origin
+    is a public bucket read unsigned (the tier writes)."""
     settings = dataclasses.replace(
-        backend_settings(config),
+        backend_settings(config), s3_unsigned=False,
         endpoint_url=config.shared_endpoint_url or config.endpoint_url)
     return SharedStore(config.shared, settings, timeout=config.shared_timeout)
 

@@ -14,6 +14,7 @@ front of SeaweedFS and fake-gcs-server checks it as they would:
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import random
 from unittest import mock
@@ -33,7 +34,7 @@ from bucketfs.backends.s3 import S3Backend
 from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.store import ObjectStore
 from tests.faultproxy import FaultProxy, sigv4_signer
-from tests.mounting import mounted, read_log
+from tests.mounting import bucketfs, mounted, read_log
 
 TOKEN = "IQoJb3JpZ2luX2VjEXAMPLEsessionTOKEN" + "x" * 40
 MiB = 1024**2
@@ -215,3 +216,73 @@ def test_both_get_paths_follow_the_buckets_region(s3_server, bucket_elsewhere, h
     finally:
         backend.close()
     assert proxy.wrong_region == 1  # the first listing, which boto3 followed
+
+
+NO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
+                  "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull}
+
+
+@pytest.fixture(scope="module")
+def public_bucket(s3_server):
+    """A bucket whose policy lets anyone list and read it, as AWS's open datasets."""
+    bucket = "public-" + os.urandom(4).hex()
+    s3_server.create_bucket(bucket)
+    for name, data in FILES.items():
+        s3_server.put(bucket, name, data)
+    s3_server.client().put_bucket_policy(Bucket=bucket, Policy=json.dumps({
+        "Version": "2012-10-17", "Statement": [{
+            "Effect": "Allow", "Principal": "*", "Action": ["s3:GetObject", "s3:ListBucket"],
+            "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]}]}))
+    return bucket
+
+
+@pytest.mark.fuse
+def test_a_public_bucket_is_read_without_credentials(s3_server, public_bucket, tmp_path):
+    env = {**s3_server.env(), **NO_CREDENTIALS}
+    mountpoint = tmp_path / "mnt"
+    with mounted(f"s3://{public_bucket}", mountpoint, "--addressing-style", "path",
+                 "--no-sign-request", env=env):
+        for name, data in FILES.items():
+            assert (mountpoint / name).read_bytes() == data
+
+
+@pytest.mark.fuse
+def test_without_credentials_the_mount_says_how_to_read_a_public_bucket(
+        s3_server, public_bucket, tmp_path):
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    env = {**s3_server.env(), **NO_CREDENTIALS}
+    result = bucketfs("mount", f"s3://{public_bucket}", str(mountpoint), "--addressing-style",
+                      "path", "--log-file", str(tmp_path / "mnt.log"), env=env)
+    assert result.returncode != 0
+    assert "no usable AWS credentials" in result.stderr
+    assert "--no-sign-request" in result.stderr
+
+
+def test_unsigned_requests_to_a_private_bucket_are_denied(s3_server, token_gated_s3):
+    # The gated bucket has no public policy: unsigned, S3 (here SeaweedFS) says no.
+    bucket, _ = token_gated_s3
+    with mock.patch.dict(os.environ, {**s3_server.env(), **NO_CREDENTIALS}):
+        backend = S3Backend(bucket, BackendSettings(addressing_style="path",
+                                                    s3_unsigned=True))
+    try:
+        with pytest.raises(AccessDenied):
+            backend.check_access()
+        store = ObjectStore(backend, max_workers=2, retry=RetryPolicy(1))
+        with pytest.raises(AccessDenied):  # the daemon's GET, unsigned too
+            trio.run(store.get_range, "small.jpg", "any", 0, 10)
+    finally:
+        backend.close()
+
+
+def test_the_shared_tier_is_signed_where_the_origin_is_read_unsigned(monkeypatch):
+    from bucketfs import mount
+    from bucketfs.config import load_config
+
+    made: list[BackendSettings] = []
+    monkeypatch.setattr(mount, "SharedStore",
+                        lambda url, settings, timeout: made.append(settings))
+    config = load_config(None, {"sign_request": False, "shared": "s3://team-cache/x"})
+    assert mount.backend_settings(config).s3_unsigned
+    mount.open_shared_store(config)
+    assert made and not made[0].s3_unsigned  # the tier writes: it needs the credentials

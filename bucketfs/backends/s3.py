@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import boto3
+from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
@@ -103,6 +104,12 @@ def _addressing(bucket: str, endpoint: str, style: str) -> tuple[bool, bool, str
     return aws, virtual, base.rstrip("/")
 
 
+def _signing_credentials(session: boto3.session.Session, settings: BackendSettings) -> Any:
+    """The credentials requests are signed with; None: unsigned (`s3_unsigned`, or none
+    found: boto3's own requests then fail, naming the missing credentials)."""
+    return None if settings.s3_unsigned else session.get_credentials()
+
+
 def _fast_store(bucket: str, client: Any, session: boto3.session.Session,
                 settings: BackendSettings) -> S3Store:
     """An obstore S3Store reaching the bucket the way the boto3 client does: its endpoint
@@ -120,7 +127,7 @@ def _fast_store(bucket: str, client: Any, session: boto3.session.Session,
         # signed with session credentials, which obstore fetches (CreateSession).
         # Not tested here: this machine reaches no AWS endpoint.
         options["s3_express"] = True
-    if session.get_credentials() is None:
+    if _signing_credentials(session, settings) is None:
         options["skip_signature"] = True
     else:
         options["credential_provider"] = Boto3CredentialProvider(session)
@@ -131,7 +138,7 @@ def _curl_target(bucket: str, client: Any, session: boto3.session.Session,
                  settings: BackendSettings) -> tuple[Callable[[str, str], str], Signer]:
     """Where the daemon's GETs go and how they are signed, as the boto3 client would."""
     _, _, base = _addressing(bucket, client.meta.endpoint_url, settings.addressing_style)
-    credentials = session.get_credentials()
+    credentials = _signing_credentials(session, settings)
     signer = Unsigned() if credentials is None else SigV4(
         credentials, client.meta.region_name or "us-east-1")
     return (lambda key, version: f"{base}/{object_path(key)}"), signer
@@ -158,6 +165,8 @@ def _open_client(settings: BackendSettings, where: str, config: Config | None = 
                  ) -> tuple[boto3.session.Session, Any]:
     """A boto3 session (the profile's credential chain) and its S3 client; what fails
     is a backend error about `where`."""
+    if settings.s3_unsigned:  # a public bucket: no credentials looked for or sent
+        config = (config or Config()).merge(Config(signature_version=UNSIGNED))
     try:
         session = boto3.session.Session(profile_name=settings.profile)
         return session, session.client("s3", endpoint_url=settings.endpoint_url,
@@ -197,7 +206,7 @@ class S3Backend:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self._settings, self._config = settings, config
+        self._settings = settings
         self._located = False
         self._session, self._client = _open_client(settings, str(self.url), config)
         self._gets = self._obstore_gets()
@@ -245,7 +254,7 @@ class S3Backend:
             endpoint = None
         try:
             client = self._session.client("s3", endpoint_url=endpoint, region_name=region,
-                                          config=self._config)
+                                          config=self._client.meta.config)
         except BotoCoreError as exc:
             log.warning("%s is in %s, but no client for it: %s", self.url, region,
                         one_line(str(exc)))
@@ -353,7 +362,8 @@ def _classify(
         return BackendError, f"request failed ({detail})"
     name = type(exc).__name__
     if isinstance(exc, _CREDENTIAL_ERRORS):
-        return AccessDenied, f"no usable AWS credentials ({name}: {exc})"
+        return AccessDenied, (f"no usable AWS credentials ({name}: {exc}); a public "
+                              "bucket can be read without: --no-sign-request")
     if isinstance(exc, ConnectTimeoutError):
         return TransientError, f"connect timed out ({name})"
     if isinstance(exc, BotoConnectionError):

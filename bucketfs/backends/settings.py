@@ -13,9 +13,10 @@ class BackendSettings:
     read_timeout: float = 30.0
     # S3
     endpoint_url: str | None = None  # else AWS_ENDPOINT_URL, else AWS
-    region: str | None = None  # else the SDK's chain (AWS_REGION, config file)
+    region: str | None = None  # else the SDK's chain (AWS_DEFAULT_REGION, config file)
     addressing_style: str = "auto"  # "auto" | "path" | "virtual"
     profile: str | None = None
+    s3_unsigned: bool = False  # requests unsigned, no credentials looked for (a public bucket)
     # GCS
     gcs_project: str | None = None
     gcs_anonymous: bool = False  # anonymous access for public buckets
