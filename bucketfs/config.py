@@ -256,6 +256,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("s3", "sign_request", _bool, True,
            "sign requests with the credentials found; --no-sign-request (false) reads a "
            "public bucket without credentials, as the AWS CLI's flag", "true"),
+    Option("s3", "requester_pays", _bool, False,
+           "read a requester-pays bucket: every request says that the requester pays "
+           "for it (the AWS CLI's --request-payer requester)", "false"),
     Option("gcs", "project", _optional_str, None,
            "GCS project (default: from application default credentials)", None),
     Option("gcs", "anonymous", _bool, False,

@@ -154,6 +154,7 @@ def backend_settings(config: Config) -> BackendSettings:
         addressing_style=config.addressing_style,
         profile=config.profile,
         s3_unsigned=not config.sign_request,
+        s3_requester_pays=config.requester_pays,
         gcs_project=config.project,
         gcs_anonymous=config.anonymous,
     )
@@ -162,9 +163,9 @@ def backend_settings(config: Config) -> BackendSettings:
 def open_shared_store(config: Config) -> SharedStore:
     """The shared tier's bucket, reached with the origin's credentials, region and
     addressing style, at its own endpoint if one is given; signed even where the origin
-    is a public bucket read unsigned (the tier writes)."""
+    is a public bucket read unsigned (the tier writes), and paying as its owner."""
     settings = dataclasses.replace(
-        backend_settings(config), s3_unsigned=False,
+        backend_settings(config), s3_unsigned=False, s3_requester_pays=False,
         endpoint_url=config.shared_endpoint_url or config.endpoint_url)
     return SharedStore(config.shared, settings, timeout=config.shared_timeout)
 

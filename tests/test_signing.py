@@ -286,3 +286,62 @@ def test_the_shared_tier_is_signed_where_the_origin_is_read_unsigned(monkeypatch
     assert mount.backend_settings(config).s3_unsigned
     mount.open_shared_store(config)
     assert made and not made[0].s3_unsigned  # the tier writes: it needs the credentials
+
+
+@pytest.fixture
+def requester_pays(s3_server):
+    """SeaweedFS behind a proxy that refuses a request not saying the requester pays,
+    as S3 does for a requester-pays bucket read by another account."""
+    bucket = "payer-" + os.urandom(4).hex()
+    s3_server.create_bucket(bucket)
+    for name, data in FILES.items():
+        s3_server.put(bucket, name, data)
+    host, port = s3_server.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port), signer=sigv4_signer(
+        s3_server.access_key, s3_server.secret_key, s3_server.region)).start()
+    proxy.require_credential("x-amz-request-payer", "requester", signed=True)
+    try:
+        yield bucket, proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.fuse
+def test_a_requester_pays_bucket_is_read(s3_server, requester_pays, tmp_path):
+    bucket, proxy = requester_pays
+    env = {**s3_server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    mountpoint = tmp_path / "mnt"
+    with mounted(f"s3://{bucket}", mountpoint, "--addressing-style", "path",
+                 "--retry-attempts", "1", "--requester-pays", env=env):
+        for name, data in FILES.items():
+            assert (mountpoint / name).read_bytes() == data
+    # Refused: at most the HeadBucket that looks for the region (it takes no payer).
+    assert proxy.refused <= 1
+    assert all(status in (200, 206) for _, _, status in proxy.answers)
+
+
+@pytest.mark.fuse
+def test_a_requester_pays_bucket_refuses_a_mount_without_the_flag(
+        s3_server, requester_pays, tmp_path):
+    bucket, proxy = requester_pays
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    env = {**s3_server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    result = bucketfs("mount", f"s3://{bucket}", str(mountpoint), "--addressing-style",
+                      "path", "--retry-attempts", "1", "--log-file", str(tmp_path / "mnt.log"),
+                      env=env)
+    assert result.returncode != 0 and "access denied" in result.stderr.lower()
+
+
+def test_obstores_gets_say_the_requester_pays(s3_server, requester_pays):
+    bucket, proxy = requester_pays
+    with mock.patch.dict(os.environ, {**s3_server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}):
+        backend = S3Backend(bucket, BackendSettings(addressing_style="path",
+                                                    s3_requester_pays=True))
+    try:
+        data = FILES["small.jpg"]
+        version = backend.head("small.jpg").version
+        assert bytes(backend.get_range("small.jpg", version, 9, 900)) == data[9:909]
+    finally:
+        backend.close()
+    assert proxy.refused == 0

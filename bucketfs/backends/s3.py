@@ -83,6 +83,10 @@ _TRANSIENT_CODES = frozenset(
         "TooManyRequestsException",
     }
 )
+#: What a request to a requester-pays bucket must carry (libcurl's GETs; boto3 and
+#: obstore are told by their own options).
+_PAYER_HEADER = "x-amz-request-payer"
+
 _CREDENTIAL_ERRORS = (
     NoCredentialsError,
     PartialCredentialsError,
@@ -122,6 +126,8 @@ def _fast_store(bucket: str, client: Any, session: boto3.session.Session,
         "client_options": client_options(endpoint, settings), "retry_config": RETRY_CONFIG}
     if not aws:
         options["endpoint"] = base if virtual else endpoint
+    if settings.s3_requester_pays:
+        options["request_payer"] = True
     if bucket.endswith("--x-s3"):
         # An S3 Express One Zone directory bucket (AWS names them so): its requests are
         # signed with session credentials, which obstore fetches (CreateSession).
@@ -153,11 +159,12 @@ def _curl_gets(bucket: str, client: Any, session: boto3.session.Session,
     if bucket.endswith("--x-s3"):
         return None
     url_of, signer = _curl_target(bucket, client, session, settings)
+    payer = [f"{_PAYER_HEADER}: requester"] if settings.s3_requester_pays else []
     return CurlRangedGets(
         CurlSettings(settings.max_connections, settings.connect_timeout,
                      settings.read_timeout, ca_file(os.environ.get("AWS_CA_BUNDLE"))),
         signer, url_of=url_of,
-        pinned=lambda version: [f'If-Match: "{version}"'], answered_header="etag",
+        pinned=lambda version: [f'If-Match: "{version}"', *payer], answered_header="etag",
         where=where)
 
 
@@ -208,6 +215,9 @@ class S3Backend:
         )
         self._settings = settings
         self._located = False
+        #: boto3's parameter that says the requester pays (HeadBucket takes none).
+        self._payer: dict[str, str] = (
+            {"RequestPayer": "requester"} if settings.s3_requester_pays else {})
         self._session, self._client = _open_client(settings, str(self.url), config)
         self._gets = self._obstore_gets()
         self._curl_gets = _curl_gets(
@@ -275,7 +285,7 @@ class S3Backend:
 
     def check_access(self) -> None:
         try:
-            self._client.list_objects_v2(Bucket=self.bucket, MaxKeys=1)
+            self._client.list_objects_v2(Bucket=self.bucket, MaxKeys=1, **self._payer)
         except (ClientError, BotoCoreError) as exc:
             self._raise(exc, None, NoSuchBucket)
         self.locate()
@@ -283,7 +293,8 @@ class S3Backend:
     def list_page(
         self, prefix: str, delimiter: str | None, token: str | None, page_size: int
     ) -> ListPage:
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": page_size}
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": page_size,
+                                  **self._payer}
         if delimiter is not None:
             kwargs["Delimiter"] = delimiter
         if token is not None:
@@ -310,7 +321,7 @@ class S3Backend:
 
     def head(self, key: str) -> ObjectInfo:
         try:
-            resp = self._client.head_object(Bucket=self.bucket, Key=key)
+            resp = self._client.head_object(Bucket=self.bucket, Key=key, **self._payer)
         except (ClientError, BotoCoreError) as exc:
             self._raise(exc, key, NotFound)
         return ObjectInfo(

@@ -17,6 +17,7 @@ class BackendSettings:
     addressing_style: str = "auto"  # "auto" | "path" | "virtual"
     profile: str | None = None
     s3_unsigned: bool = False  # requests unsigned, no credentials looked for (a public bucket)
+    s3_requester_pays: bool = False  # every request says the requester pays for it
     # GCS
     gcs_project: str | None = None
     gcs_anonymous: bool = False  # anonymous access for public buckets
