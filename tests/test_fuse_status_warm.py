@@ -193,9 +193,7 @@ def test_warm_then_an_epoch_makes_no_get(counted, tmp_path):
 
 def test_ctrl_c_stops_the_warm_job_and_the_mount_serves_on(counted, tmp_path):
     proxy, env = counted
-    # Slow enough that the job (40 files, 2 at a time: ~10 s) cannot end before the
-    # signal on a loaded machine; with 0.15 s it once did (exit 0, not 130).
-    proxy.add_rule(method="GET", path_contains="/train/", action="delay:0.5")
+    proxy.add_rule(method="GET", path_contains="/train/", action="delay:0.15")
     args = ("--addressing-style", "path", "--prefetch-connections", "2")
     with mounted("s3://status-warm", tmp_path / "mnt", *args, env=env) as mnt:
         os.listdir(mnt / "train")  # listed before the clock starts
@@ -225,7 +223,6 @@ def test_ctrl_c_stops_the_warm_job_and_the_mount_serves_on(counted, tmp_path):
         first = sorted(name for name in FILES if name.startswith("train/"))[0]
         assert (mnt / first).read_bytes() == FILES[first]
         assert origin_seen(proxy)["get"] == gets
-        proxy.clear()  # the rest at full speed
         read_everything(mnt)
         assert os.listdir(mnt) and status(target(mnt))["errors"]["background_failures"] == 0
 
