@@ -376,9 +376,9 @@ class FaultProxy:
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._active: dict[_Connection, threading.Thread] = {}
-        #: (header, value, signed) that every request must carry (`require_credential`).
+        #: (header, value, signed) that every request must carry (`require_credential`),
+        #: and the requests refused for lacking it.
         self._credential: tuple[str, str, bool] | None = None
-        #: Requests refused for lacking it.
         self.refused = 0
         #: The region S3 would say the bucket is in (`bucket_region`), and the requests
         #: refused for being signed for another.
@@ -417,10 +417,9 @@ class FaultProxy:
             self.region = region
 
     def _signed_for(self, request: _Request) -> str | None:
-        """The region a SigV4 request is signed for, if it is; None if another one."""
-        with self._lock:
-            region = self.region
-        if region is None:
+        """The region a request is signed for where it is not the bucket's (S3 refuses
+        it); None where it is, or the request is unsigned."""
+        if (region := self.region) is None:
             return None
         scope = (request.header("Authorization") or "").partition("Credential=")[2]
         signed = scope.split(",")[0].split("/")[2:3]
