@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.faultproxy import FaultProxy
+from tests.faultproxy import FaultProxy, Signer
 from tests.servers import GcsServer, S3Server
 
 # --- Real object stores (started on first use, once per session) --------------------
@@ -37,14 +37,15 @@ def gcs_server() -> Iterator[GcsServer]:
 
 @pytest.fixture
 def fault_proxy() -> Iterator[Callable[..., FaultProxy]]:
-    """Factory: fault_proxy(upstream_endpoint, flavor="s3") -> a started FaultProxy in front
-    of that "http://host:port"; every proxy made is stopped at the end of the test."""
+    """Factory: fault_proxy(upstream_endpoint, flavor="s3", signer=None) -> a started
+    FaultProxy in front of that "http://host:port"; every proxy made is stopped at the
+    end of the test."""
     proxies: list[FaultProxy] = []
 
-    def make(upstream: str, flavor: str = "s3") -> FaultProxy:
+    def make(upstream: str, flavor: str = "s3", signer: Signer | None = None) -> FaultProxy:
         parts = urlsplit(upstream)
         assert parts.hostname and parts.port, f"not an http://host:port endpoint: {upstream}"
-        proxy = FaultProxy(parts.hostname, parts.port, flavor=flavor).start()
+        proxy = FaultProxy(parts.hostname, parts.port, flavor=flavor, signer=signer).start()
         proxies.append(proxy)
         return proxy
 

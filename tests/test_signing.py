@@ -43,21 +43,26 @@ FILES = {name: random.Random(name).randbytes(size) for name, size in [
 ]}
 
 
-@pytest.fixture
-def token_gated_s3(s3_server):
-    """SeaweedFS behind a proxy that wants TOKEN, signed, in every request."""
-    bucket = "session-" + os.urandom(4).hex()
-    s3_server.create_bucket(bucket)
+def filled_bucket(server, prefix: str) -> str:
+    """A new bucket on `server` holding FILES."""
+    bucket = f"{prefix}-{os.urandom(4).hex()}"
+    server.create_bucket(bucket)
     for name, data in FILES.items():
-        s3_server.put(bucket, name, data)
-    host, port = s3_server.endpoint.removeprefix("http://").split(":")
-    proxy = FaultProxy(host, int(port), signer=sigv4_signer(
-        s3_server.access_key, s3_server.secret_key, s3_server.region)).start()
+        server.put(bucket, name, data)
+    return bucket
+
+
+def resigning(s3_server):
+    """The proxy's signer for requests it changed (a credential header taken off)."""
+    return sigv4_signer(s3_server.access_key, s3_server.secret_key, s3_server.region)
+
+
+@pytest.fixture
+def token_gated_s3(s3_server, fault_proxy):
+    """SeaweedFS behind a proxy that wants TOKEN, signed, in every request."""
+    proxy = fault_proxy(s3_server.endpoint, signer=resigning(s3_server))
     proxy.require_credential("x-amz-security-token", TOKEN, signed=True)
-    try:
-        yield bucket, proxy
-    finally:
-        proxy.stop()
+    return filled_bucket(s3_server, "session"), proxy
 
 
 def client(s3_server, endpoint: str, token: str | None):
@@ -98,18 +103,10 @@ def test_a_mount_with_a_session_token_reads_every_byte(s3_server, token_gated_s3
 
 
 @pytest.fixture
-def token_gated_gcs(gcs_server):
-    bucket = "session-" + os.urandom(4).hex()
-    gcs_server.create_bucket(bucket)
-    for name, data in FILES.items():
-        gcs_server.put(bucket, name, data)
-    host, port = gcs_server.endpoint.removeprefix("http://").split(":")
-    proxy = FaultProxy(host, int(port), flavor="gcs").start()
+def token_gated_gcs(gcs_server, fault_proxy):
+    proxy = fault_proxy(gcs_server.endpoint, flavor="gcs")
     proxy.require_credential("authorization", f"Bearer {TOKEN}")
-    try:
-        yield bucket, proxy
-    finally:
-        proxy.stop()
+    return filled_bucket(gcs_server, "session"), proxy
 
 
 def gcs_backend(bucket: str, proxy: FaultProxy, token: str | None) -> GcsBackend:
@@ -154,19 +151,11 @@ def test_gcs_without_the_token_is_refused_by_the_gate(token_gated_gcs):
 
 
 @pytest.fixture
-def bucket_elsewhere(s3_server):
+def bucket_elsewhere(s3_server, fault_proxy):
     """SeaweedFS behind a proxy that answers as S3 for a bucket in eu-west-3."""
-    bucket = "region-" + os.urandom(4).hex()
-    s3_server.create_bucket(bucket)
-    for name, data in FILES.items():
-        s3_server.put(bucket, name, data)
-    host, port = s3_server.endpoint.removeprefix("http://").split(":")
-    proxy = FaultProxy(host, int(port)).start()
+    proxy = fault_proxy(s3_server.endpoint)
     proxy.bucket_region("eu-west-3")
-    try:
-        yield bucket, proxy
-    finally:
-        proxy.stop()
+    return filled_bucket(s3_server, "region"), proxy
 
 
 @pytest.mark.fuse
@@ -225,10 +214,7 @@ NO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
 @pytest.fixture(scope="module")
 def public_bucket(s3_server):
     """A bucket whose policy lets anyone list and read it, as AWS's open datasets."""
-    bucket = "public-" + os.urandom(4).hex()
-    s3_server.create_bucket(bucket)
-    for name, data in FILES.items():
-        s3_server.put(bucket, name, data)
+    bucket = filled_bucket(s3_server, "public")
     s3_server.client().put_bucket_policy(Bucket=bucket, Policy=json.dumps({
         "Version": "2012-10-17", "Statement": [{
             "Effect": "Allow", "Principal": "*", "Action": ["s3:GetObject", "s3:ListBucket"],
@@ -289,21 +275,12 @@ def test_the_shared_tier_is_signed_where_the_origin_is_read_unsigned(monkeypatch
 
 
 @pytest.fixture
-def requester_pays(s3_server):
+def requester_pays(s3_server, fault_proxy):
     """SeaweedFS behind a proxy that refuses a request not saying the requester pays,
     as S3 does for a requester-pays bucket read by another account."""
-    bucket = "payer-" + os.urandom(4).hex()
-    s3_server.create_bucket(bucket)
-    for name, data in FILES.items():
-        s3_server.put(bucket, name, data)
-    host, port = s3_server.endpoint.removeprefix("http://").split(":")
-    proxy = FaultProxy(host, int(port), signer=sigv4_signer(
-        s3_server.access_key, s3_server.secret_key, s3_server.region)).start()
+    proxy = fault_proxy(s3_server.endpoint, signer=resigning(s3_server))
     proxy.require_credential("x-amz-request-payer", "requester", signed=True)
-    try:
-        yield bucket, proxy
-    finally:
-        proxy.stop()
+    return filled_bucket(s3_server, "payer"), proxy
 
 
 @pytest.mark.fuse

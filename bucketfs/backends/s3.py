@@ -95,13 +95,17 @@ _CREDENTIAL_ERRORS = (
 )
 
 
+def _is_aws(endpoint: str) -> bool:
+    return urlsplit(endpoint).hostname.endswith(".amazonaws.com")  # type: ignore[union-attr]
+
+
 def _addressing(bucket: str, endpoint: str, style: str) -> tuple[bool, bool, str]:
     """How requests reach the bucket, as the boto3 client would: whether the endpoint is
     AWS's own, whether the bucket is named in the host (virtual-hosted style), and the
     bucket's base URL. On AWS, "auto" is virtual-hosted except for a dotted name, which
     as a host would not match AWS's wildcard TLS certificate (path style, as boto3)."""
     parts = urlsplit(endpoint)
-    aws = parts.hostname.endswith(".amazonaws.com")  # type: ignore[union-attr]
+    aws = _is_aws(endpoint)
     virtual = style == "virtual" or (style == "auto" and aws and "." not in bucket)
     base = (urlunsplit(parts._replace(netloc=f"{bucket}.{parts.netloc}")) if virtual
             else f"{endpoint.rstrip('/')}/{bucket}")
@@ -260,7 +264,7 @@ class S3Backend:
         # AWS's own endpoint is the region's; any other (named, or AWS_ENDPOINT_URL's)
         # stays as the first client found it.
         endpoint: str | None = self._client.meta.endpoint_url
-        if urlsplit(endpoint).hostname.endswith(".amazonaws.com"):  # type: ignore[union-attr]
+        if _is_aws(self._client.meta.endpoint_url):
             endpoint = None
         try:
             client = self._session.client("s3", endpoint_url=endpoint, region_name=region,
