@@ -263,6 +263,9 @@ OPTIONS: tuple[Option, ...] = (
            "GCS project (default: from application default credentials)", None),
     Option("gcs", "anonymous", _bool, False,
            "read a public bucket without credentials", "false"),
+    Option("gcs", "billing_project", _optional_str, None,
+           "read a requester-pays bucket, billing its requests to this project (as "
+           "gsutil -u PROJECT)", None),
     Option("read", "readahead_max", parse_size, 64 * 1024**2,
            "most bytes read ahead for one open file; the window doubles while reads "
            "stay sequential", '"64MiB"'),
@@ -422,6 +425,9 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
         raise ConfigError("read.readahead_max must not exceed read.readahead_budget")
     if config.block_size == 0:
         raise ConfigError("cache.block_size must be positive")
+    if config.anonymous and config.billing_project:
+        raise ConfigError("gcs.billing_project needs credentials: a request billed to a "
+                          "project cannot be anonymous (gcs.anonymous)")
     return config
 
 

@@ -157,6 +157,7 @@ def backend_settings(config: Config) -> BackendSettings:
         s3_requester_pays=config.requester_pays,
         gcs_project=config.project,
         gcs_anonymous=config.anonymous,
+        gcs_billing_project=config.billing_project,
     )
 
 

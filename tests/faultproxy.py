@@ -21,7 +21,7 @@ Actions:
   "delay:SECS"       wait, then forward
   "unpin"            forward without the version precondition (If-Match; GCS's generation
                      and ifGenerationMatch), as a store that ignores it would; for S3, whose
-                     signature covers If-Match, the proxy needs a `signer` (`sigv4_signer`)
+                     signature covers If-Match, the proxy needs a `signer` (tests/sigv4.py)
   "hide:HEADER"      forward, leaving that header out of the response
 
 A rule with a `probability` below 1 applies to that share of the requests it matches,
@@ -29,10 +29,11 @@ drawn from the proxy's RNG (`seed`). `faults` tallies what was injected, by acti
 
 `require_credential(header, value)` makes the proxy a store that checks a credential
 the upstream does not: a request without that header and value is refused (403 for
-"s3", 401 for "gcs") and never forwarded; one with it goes on without it, signed anew
-by `signer` where given (a session token, which the S3 test server cannot check).
-`signed=True` also refuses a request whose SigV4 signature does not cover the header,
-as S3 does.
+"s3", 401 for "gcs", or `refusal`'s status and message) and never forwarded; one with
+it goes on without it, signed anew by `signer` where given (a session token, which the
+S3 test server cannot check). `signed=True` also refuses a request whose SigV4
+signature does not cover the header, as S3 does. With `param`, a request to GCS's JSON
+API must carry it as that query parameter instead (a requester-pays bucket's project).
 
 `bucket_region(region)` makes the proxy answer as S3 does for a bucket in `region`: a
 request signed for another region gets 400 AuthorizationHeaderMalformed naming the
@@ -120,25 +121,6 @@ def _check_action(action: str) -> None:
     raise ValueError(f"unknown fault action {action!r}")
 
 
-def sigv4_signer(access_key: str, secret_key: str, region: str) -> Signer:
-    """Signs a rewritten S3 request anew (SigV4 covers headers such as If-Match)."""
-    from botocore.auth import S3SigV4Auth
-    from botocore.awsrequest import AWSRequest
-    from botocore.credentials import Credentials
-
-    auth = S3SigV4Auth(Credentials(access_key, secret_key), "s3", region)
-    replaced = {"authorization", "x-amz-date", "x-amz-content-sha256"}
-
-    def sign(method: str, target: str, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        kept = {k: v for k, v in headers if k.lower() not in replaced}
-        host = next(v for k, v in kept.items() if k.lower() == "host")
-        request = AWSRequest(method=method, url=f"http://{host}{target}", headers=kept)
-        auth.add_auth(request)
-        return list(request.headers.items())
-
-    return sign
-
-
 def _read_head(rfile: BinaryIO) -> _Request | None:
     line = rfile.readline(65537)
     if not line.strip():
@@ -211,7 +193,9 @@ class _Connection:
         request.body = _read_body(rfile, request)
         keep_alive = (request.header("Connection") or "").lower() != "close"
         if not self.proxy._admit(request):
-            self._reply_error(request, 401 if self.proxy.flavor == "gcs" else 403, "")
+            status, message = self.proxy.refusal or (
+                401 if self.proxy.flavor == "gcs" else 403, "")
+            self._reply_error(request, status, "", message)
             return keep_alive
         wrong = self.proxy._signed_for(request)
         if wrong is not None:
@@ -238,13 +222,15 @@ class _Connection:
         if self.proxy.signer is not None:
             request.headers = self.proxy.signer(request.method, request.target, request.headers)
 
-    def _reply_error(self, request: _Request, status: int, retry_after: str) -> None:
+    def _reply_error(self, request: _Request, status: int, retry_after: str,
+                     message: str = "") -> None:
         if self.proxy.flavor == "gcs":
-            error = {"code": status, "message": "injected by FaultProxy"}
+            error = {"code": status, "message": message or "injected by FaultProxy"}
             body = json.dumps({"error": {**error, "errors": [error]}}).encode()
             content_type = "application/json; charset=UTF-8"
         else:
-            code, message = _S3_ERRORS.get(status, (str(status), "Injected by FaultProxy."))
+            code, text = _S3_ERRORS.get(status, (str(status), "Injected by FaultProxy."))
+            message = message or text
             body = (
                 '<?xml version="1.0" encoding="UTF-8"?>\n'
                 f"<Error><Code>{code}</Code><Message>{message}</Message></Error>"
@@ -376,9 +362,10 @@ class FaultProxy:
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._active: dict[_Connection, threading.Thread] = {}
-        #: (header, value, signed) that every request must carry (`require_credential`),
-        #: and the requests refused for lacking it.
-        self._credential: tuple[str, str, bool] | None = None
+        #: (header, value, signed, param) that every request must carry
+        #: (`require_credential`), the answer to one without, and how many were refused.
+        self._credential: tuple[str, str, bool, str | None] | None = None
+        self.refusal: tuple[int, str] | None = None
         self.refused = 0
         #: The region S3 would say the bucket is in (`bucket_region`), and the requests
         #: refused for being signed for another.
@@ -406,10 +393,12 @@ class FaultProxy:
         with self._lock:
             self._rules.append(_Rule(method, path_contains, action, times, probability))
 
-    def require_credential(self, header: str, value: str, *, signed: bool = False) -> None:
+    def require_credential(self, header: str, value: str, *, signed: bool = False,
+                           param: str | None = None,
+                           refusal: tuple[int, str] | None = None) -> None:
         """Refuse every request that lacks `header: value` (see the module docstring)."""
         with self._lock:
-            self._credential = (header.lower(), value, signed)
+            self._credential, self.refusal = (header.lower(), value, signed, param), refusal
 
     def bucket_region(self, region: str) -> None:
         """Answer as S3 for a bucket in `region` (see the module docstring)."""
@@ -436,7 +425,13 @@ class FaultProxy:
             credential = self._credential
         if credential is None:
             return True
-        header, value, signed = credential
+        header, value, signed, param = credential
+        if param is not None and request.target.startswith(("/storage/", "/download/")):
+            if f"{param}={value}" in request.target.partition("?")[2].split("&"):
+                return True
+            with self._lock:
+                self.refused += 1
+            return False
         authorization = request.header("Authorization") or ""
         covered = header in authorization.partition("SignedHeaders=")[2].split(",")[0].split(";")
         if request.header(header) != value or (signed and not covered):

@@ -9,6 +9,8 @@ front of SeaweedFS and fake-gcs-server checks it as they would:
 - The bucket's region: a request signed for another region is refused with S3's answer
   naming the right one. boto3 follows that answer for its own requests; the daemon's
   GETs once kept signing for the configured region, so every read failed.
+- Who pays: a requester-pays bucket refuses a request that does not say the requester
+  pays (S3) or which project to bill (GCS).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.store import ObjectStore
-from tests.faultproxy import FaultProxy, sigv4_signer
+from tests.faultproxy import FaultProxy
 from tests.mounting import bucketfs, mounted, read_log
+from tests.sigv4 import sigv4_signer
 
 TOKEN = "IQoJb3JpZ2luX2VjEXAMPLEsessionTOKEN" + "x" * 40
 MiB = 1024**2
@@ -109,7 +112,8 @@ def token_gated_gcs(gcs_server, fault_proxy):
     return filled_bucket(gcs_server, "session"), proxy
 
 
-def gcs_backend(bucket: str, proxy: FaultProxy, token: str | None) -> GcsBackend:
+def gcs_backend(bucket: str, proxy: FaultProxy, token: str | None,
+                **settings: object) -> GcsBackend:
     """A GCS backend through the proxy, with an OAuth token as google.auth.default()
     gives one on a node (the emulator's settings would otherwise make it anonymous)."""
     if token is None:
@@ -120,7 +124,7 @@ def gcs_backend(bucket: str, proxy: FaultProxy, token: str | None) -> GcsBackend
         credentials = TokenCredentials(token, expiry=expiry + datetime.timedelta(hours=1))
     with (mock.patch.dict(os.environ, {"STORAGE_EMULATOR_HOST": proxy.endpoint}),
           mock.patch.object(gcs, "_credentials", lambda *_: (credentials, "test"))):
-        return GcsBackend(bucket, BackendSettings())
+        return GcsBackend(bucket, BackendSettings(**settings))  # type: ignore[arg-type]
 
 
 def test_gcs_gets_carry_the_oauth_token(token_gated_gcs):
@@ -322,3 +326,68 @@ def test_obstores_gets_say_the_requester_pays(s3_server, requester_pays):
     finally:
         backend.close()
     assert proxy.refused == 0
+
+
+BILLED = "team-billing-project"
+
+
+@pytest.fixture
+def requester_pays_gcs(gcs_server, fault_proxy):
+    """fake-gcs-server behind a proxy that refuses a request naming no project to bill,
+    as GCS does for a requester-pays bucket (400, with its message): the JSON API takes
+    the project as `userProject`, the XML API as the x-goog-user-project header."""
+    proxy = fault_proxy(gcs_server.endpoint, flavor="gcs")
+    proxy.require_credential("x-goog-user-project", BILLED, param="userProject", refusal=(
+        400, "Bucket is a requester pays bucket but no user project provided."))
+    return filled_bucket(gcs_server, "billed"), proxy
+
+
+@pytest.mark.fuse
+def test_a_requester_pays_gcs_bucket_is_read_billing_the_project(
+        requester_pays_gcs, tmp_path):
+    bucket, proxy = requester_pays_gcs
+    mountpoint = tmp_path / "mnt"
+    with mounted(f"gs://{bucket}", mountpoint, "--retry-attempts", "1",
+                 "--billing-project", BILLED, env={"STORAGE_EMULATOR_HOST": proxy.endpoint}):
+        for name, data in FILES.items():
+            assert (mountpoint / name).read_bytes() == data
+    assert proxy.refused == 0
+    json_api = [path for _, path in proxy.requests if path.startswith("/storage/")]
+    xml_gets = [path for method, path in proxy.requests
+                if method == "GET" and path.startswith(f"/{bucket}/")]
+    assert json_api and len(xml_gets) >= len(FILES)  # the listing (SDK), the reads (libcurl)
+
+
+@pytest.mark.fuse
+def test_a_requester_pays_gcs_bucket_without_a_project_says_which_option(
+        requester_pays_gcs, tmp_path):
+    bucket, proxy = requester_pays_gcs
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    result = bucketfs("mount", f"gs://{bucket}", str(mountpoint), "--retry-attempts", "1",
+                      "--log-file", str(tmp_path / "mnt.log"),
+                      env={"STORAGE_EMULATOR_HOST": proxy.endpoint})
+    assert result.returncode != 0
+    assert "requester-pays" in result.stderr and "--billing-project" in result.stderr
+    assert proxy.refused >= 1
+
+
+def test_obstores_gcs_gets_name_the_project_to_bill(requester_pays_gcs):
+    bucket, proxy = requester_pays_gcs
+    backend = gcs_backend(bucket, proxy, None, gcs_billing_project=BILLED)
+    try:
+        data = FILES["two/deep.jpg"]
+        version = backend.head("two/deep.jpg").version  # the SDK's
+        assert bytes(backend.get_range("two/deep.jpg", version, 5, 700)) == data[5:705]
+    finally:
+        backend.close()
+    xml_gets = [path for method, path in proxy.requests
+                if method == "GET" and not path.startswith("/storage/")]
+    assert proxy.refused == 0 and len(xml_gets) == 1  # obstore's, through the XML API
+
+
+def test_a_project_billed_needs_credentials():
+    from bucketfs.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="needs credentials"):
+        load_config(None, {"anonymous": True, "billing_project": BILLED})

@@ -23,9 +23,10 @@ import trio
 from bucketfs.backends.base import Backend, BackendError, TransientError, VersionChanged
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
-from tests.faultproxy import FaultProxy, sigv4_signer
+from tests.faultproxy import FaultProxy
 from tests.mounting import mounted, read_log
 from tests.servers import GcsServer, S3Server
+from tests.sigv4 import sigv4_signer
 from tests.test_backends import GcsHarness, S3Harness, new_harness
 
 KiB, MiB = 1024, 1024**2

@@ -59,6 +59,9 @@ from bucketfs.backends.settings import BackendSettings
 log = logging.getLogger(__name__)
 
 _READ_ONLY_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
+#: What names the project that pays for a request to a requester-pays bucket through the
+#: XML API (libcurl's and obstore's GETs); the SDK's JSON API takes `userProject`.
+_USER_PROJECT_HEADER = "x-goog-user-project"
 _LIST_FIELDS = "items(name,size,generation,updated),prefixes,nextPageToken"
 # Everything a request can raise that is a failure of the service or the network, not a bug.
 _FAILURES = (
@@ -90,6 +93,9 @@ def _fast_store(bucket: str, api_endpoint: str, credentials: Credentials,
     options: dict[str, Any] = {"base_url": api_endpoint,
                                "client_options": client_options(api_endpoint, settings),
                                "retry_config": RETRY_CONFIG}
+    if settings.gcs_billing_project:
+        options["client_options"]["default_headers"] = {
+            _USER_PROJECT_HEADER: settings.gcs_billing_project}
     if isinstance(credentials, AnonymousCredentials):
         options["skip_signature"] = True
     else:
@@ -104,13 +110,15 @@ def _curl_gets(bucket: str, api_endpoint: str, credentials: Credentials,
     base = f"{api_endpoint.rstrip('/')}/{quote(bucket, safe='')}"
     signer = (Unsigned() if isinstance(credentials, AnonymousCredentials)
               else BearerToken(credentials))
+    billed = ([f"{_USER_PROJECT_HEADER}: {settings.gcs_billing_project}"]
+              if settings.gcs_billing_project else [])
     return CurlRangedGets(
         CurlSettings(settings.max_connections, settings.connect_timeout,
                      settings.read_timeout, ca_file(os.environ.get("REQUESTS_CA_BUNDLE"))),
         signer,
         # Naming the generation makes GCS answer 404 once it is gone.
         url_of=lambda key, version: f"{base}/{object_path(key)}?generation={version}",
-        pinned=lambda version: [], answered_header="x-goog-generation", where=where)
+        pinned=lambda version: billed, answered_header="x-goog-generation", where=where)
 
 
 class GcsBackend:
@@ -131,7 +139,8 @@ class GcsBackend:
         # the retry policy and the worker limit. Every use of the cache is guarded by a
         # truth test of this attribute.
         self._client._bucket_metadata_cache = None
-        self._bucket = self._client.bucket(bucket)
+        # With a billing project the SDK's requests name it (`userProject`).
+        self._bucket = self._client.bucket(bucket, user_project=settings.gcs_billing_project)
         self.endpoint = public_endpoint(self._client.api_endpoint)
         self._gets = RangedGets(
             _fast_store(bucket, self._client.api_endpoint, credentials, settings),
@@ -239,6 +248,9 @@ def _classify(exc: Exception, missing: type[BackendError]) -> tuple[type[Backend
             return VersionChanged, f"object changed ({detail})"
         if status in TRANSIENT_STATUS:
             return TransientError, f"temporary failure ({detail})"
+        if "requester pays" in (exc.message or "").lower():
+            return BackendError, (f"the bucket is requester-pays: name a project to bill "
+                                  f"with --billing-project ({detail})")
         return BackendError, f"request failed ({detail})"
     if isinstance(exc, auth_exceptions.TransportError):
         return TransientError, f"cannot reach the token service ({name}: {exc})"

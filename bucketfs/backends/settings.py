@@ -21,3 +21,4 @@ class BackendSettings:
     # GCS
     gcs_project: str | None = None
     gcs_anonymous: bool = False  # anonymous access for public buckets
+    gcs_billing_project: str | None = None  # requests billed to it (a requester-pays bucket)
