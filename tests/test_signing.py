@@ -211,6 +211,20 @@ def test_both_get_paths_follow_the_buckets_region(s3_server, bucket_elsewhere, h
     assert proxy.wrong_region == 1  # the first listing, which boto3 followed
 
 
+def test_the_shared_tier_signs_for_its_buckets_region(s3_server, bucket_elsewhere):
+    from bucketfs.cache.shared_store import SharedStore
+
+    bucket, proxy = bucket_elsewhere
+    with mock.patch.dict(os.environ, {**s3_server.env(), "AWS_DEFAULT_REGION": "us-west-2"}):
+        store = SharedStore(f"s3://{bucket}/team", BackendSettings(
+            endpoint_url=proxy.endpoint, addressing_style="path"), timeout=5.0)
+    store.put("team/blocks/one", b"a block", {"origin": "s3://data"})
+    fetched = store.get("team/blocks/one")
+    assert fetched is not None and bytes(fetched.data) == b"a block"
+    assert fetched.metadata["origin"] == "s3://data"
+    assert proxy.wrong_region == 1  # the HeadBucket that asked where the bucket is
+
+
 NO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
                   "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull}
 

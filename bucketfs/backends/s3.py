@@ -172,6 +172,15 @@ def _curl_gets(bucket: str, client: Any, session: boto3.session.Session,
         where=where)
 
 
+def _client_config(settings: BackendSettings) -> Config:
+    """The boto3 client's timeouts and addressing; one attempt per call (retry.py
+    retries)."""
+    return Config(connect_timeout=settings.connect_timeout,
+                  read_timeout=settings.read_timeout,
+                  retries={"mode": "standard", "total_max_attempts": 1},
+                  s3={"addressing_style": settings.addressing_style})
+
+
 def _open_client(settings: BackendSettings, where: str, config: Config | None = None,
                  ) -> tuple[boto3.session.Session, Any]:
     """A boto3 session (the profile's credential chain) and its S3 client; what fails
@@ -187,16 +196,55 @@ def _open_client(settings: BackendSettings, where: str, config: Config | None = 
         raise kind(f"{where}: {one_line(reason)}") from None
 
 
+def bucket_region(client: Any, bucket: str) -> str | None:
+    """The region S3 says `bucket` is in (HeadBucket's x-amz-bucket-region, named even
+    when the request is refused); None where no answer names one."""
+    try:
+        answer = client.head_bucket(Bucket=bucket)["ResponseMetadata"]
+    except ClientError as exc:
+        answer = exc.response.get("ResponseMetadata", {})
+    except BotoCoreError:
+        return None  # unreachable: the requests that matter will say so
+    return answer.get("HTTPHeaders", {}).get("x-amz-bucket-region")
+
+
+def _located(session: boto3.session.Session, client: Any, bucket: str, url: str) -> Any:
+    """A client for the region S3 says the bucket is in, where it is not `client`'s;
+    else `client`. A node's region names where it runs, not where each bucket is, and a
+    request signed for another region is refused (boto3 follows S3's answer for its own
+    requests; libcurl's and obstore's do not)."""
+    configured = client.meta.region_name
+    region = bucket_region(client, bucket)
+    if not region or region == configured:
+        return client
+    # AWS's own endpoint is the region's; any other (named, or AWS_ENDPOINT_URL's)
+    # stays as the first client found it.
+    endpoint: str | None = None if _is_aws(client.meta.endpoint_url) else (
+        client.meta.endpoint_url)
+    try:
+        located = session.client("s3", endpoint_url=endpoint, region_name=region,
+                                 config=client.meta.config)
+    except BotoCoreError as exc:
+        log.warning("%s is in %s, but no client for it: %s", url, region, one_line(str(exc)))
+        return client
+    log.info("%s is in %s, not %s as configured: requests are signed for %s",
+             url, region, configured, region)
+    return located
+
+
 def open_object_store(bucket: str, settings: BackendSettings) -> tuple[S3Store, str]:
     """An obstore S3Store for `bucket`, with its public endpoint: reached and signed as
-    the origin would be with these settings (the shared cache tier reads and writes
-    through it)."""
-    session, client = _open_client(settings, f"s3://{bucket}")
+    the origin would be with these settings, for the region the bucket is in (the shared
+    cache tier reads and writes through it). Asks S3 where the bucket is: one request."""
+    session, client = _open_client(settings, f"s3://{bucket}", _client_config(settings))
+    located = _located(session, client, bucket, f"s3://{bucket}")
     try:
-        return (_fast_store(bucket, client, session, settings),
-                public_endpoint(client.meta.endpoint_url))
+        return (_fast_store(bucket, located, session, settings),
+                public_endpoint(located.meta.endpoint_url))
     finally:
         client.close()
+        if located is not client:
+            located.close()
 
 
 def _etag(value: str) -> str:
@@ -207,16 +255,12 @@ class S3Backend:
     def __init__(self, bucket: str, settings: BackendSettings) -> None:
         self.bucket = bucket
         self.url = f"s3://{bucket}"
-        config = Config(
-            connect_timeout=settings.connect_timeout,
-            read_timeout=settings.read_timeout,
+        config = _client_config(settings).merge(Config(
             max_pool_connections=settings.max_connections,
-            retries={"mode": "standard", "total_max_attempts": 1},
-            s3={"addressing_style": settings.addressing_style},
             # Ranged reads cannot be checked against whole-object checksums anyway.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
-        )
+        ))
         self._settings = settings
         self._located = False
         #: boto3's parameter that says the requester pays (HeadBucket takes none).
@@ -251,30 +295,9 @@ class S3Backend:
         if self._located:
             return
         self._located = True
-        configured = self._client.meta.region_name
-        try:
-            answer = self._client.head_bucket(Bucket=self.bucket)["ResponseMetadata"]
-        except ClientError as exc:
-            answer = exc.response.get("ResponseMetadata", {})
-        except BotoCoreError:
-            return  # the listing just worked; the GETs will say what is wrong
-        region = answer.get("HTTPHeaders", {}).get("x-amz-bucket-region")
-        if not region or region == configured:
+        client = _located(self._session, self._client, self.bucket, self.url)
+        if client is self._client:
             return
-        # AWS's own endpoint is the region's; any other (named, or AWS_ENDPOINT_URL's)
-        # stays as the first client found it.
-        endpoint: str | None = self._client.meta.endpoint_url
-        if _is_aws(self._client.meta.endpoint_url):
-            endpoint = None
-        try:
-            client = self._session.client("s3", endpoint_url=endpoint, region_name=region,
-                                          config=self._client.meta.config)
-        except BotoCoreError as exc:
-            log.warning("%s is in %s, but no client for it: %s", self.url, region,
-                        one_line(str(exc)))
-            return
-        log.info("%s is in %s, not %s as configured: requests are signed for %s",
-                 self.url, region, configured, region)
         # The old client is left to the collector: another thread may be using it.
         self._client = client
         self._gets = self._obstore_gets()
