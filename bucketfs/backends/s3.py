@@ -196,7 +196,7 @@ def _open_client(settings: BackendSettings, where: str, config: Config | None = 
         raise kind(f"{where}: {one_line(reason)}") from None
 
 
-def bucket_region(client: Any, bucket: str) -> str | None:
+def _bucket_region(client: Any, bucket: str) -> str | None:
     """The region S3 says `bucket` is in (HeadBucket's x-amz-bucket-region, named even
     when the request is refused); None where no answer names one."""
     try:
@@ -214,7 +214,7 @@ def _located(session: boto3.session.Session, client: Any, bucket: str, url: str)
     request signed for another region is refused (boto3 follows S3's answer for its own
     requests; libcurl's and obstore's do not)."""
     configured = client.meta.region_name
-    region = bucket_region(client, bucket)
+    region = _bucket_region(client, bucket)
     if not region or region == configured:
         return client
     # AWS's own endpoint is the region's; any other (named, or AWS_ENDPOINT_URL's)
