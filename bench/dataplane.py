@@ -25,8 +25,9 @@ layout and one LARGE_MIB object:
     obstore range GETs: MB/s and CPU-s per GiB; the mount's read twice, as the VM gives
     memory and right after fresh memory was touched (`back_memory` says why); through
     a RAM tier a quarter of its size (each block evicts one, as a dataset larger than
-    the RAM budget reads); then again from the SSD tier, its cache directory mounted
-    anew;
+    the RAM budget reads); without an SSD tier, then again from the RAM tier alone (what
+    serving the READs costs, without the GETs); then again from the SSD tier, its cache
+    directory mounted anew;
   - the scale runs: files/s and MB/s one daemon serves with each reader count of
     --scale, cold and warm, with its CPU per file and per GiB;
   - for every pass, the daemon's CPU by thread (/proc/PID/task/*/stat): its event loop
@@ -464,6 +465,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row = {"memory_backed_first": True, "small_ram_tier": small_ram[1],
                        "backing_cpu_s": back_memory(backing_gib)}
                 large_rows.append(mnt.dd(large.removeprefix("large/")) | row)
+            if args.large_mib <= 1024:  # held whole by the RAM tier: what serving the
+                # READs costs (page cache dropped), set against the cold read's GET side.
+                with Mount(server, work_dir / "large", ram, prefix="large") as mnt:
+                    drop_page_cache()
+                    row = {"memory_backed_first": True, "ram_only": True,
+                           "backing_cpu_s": back_memory(backing_gib)}
+                    large_rows.append(mnt.dd(large.removeprefix("large/")) | row)
+                    drop_page_cache()
+                    large_rows.append(mnt.dd(large.removeprefix("large/"))
+                                      | {"ram_only": True, "from_ram_tier": True})
             # The last cache directory mounted again: every block from the SSD tier, as a
             # later epoch reads a dataset larger than the page cache.
             with Mount(server, work_dir / "large", [*ram, "--cache-dir", str(cache_dir)],
@@ -517,6 +528,9 @@ def report(results: dict[str, Any]) -> str:
                 backed = ", from the SSD tier (remounted)" + backed
             if row.get("small_ram_tier"):
                 backed = f", RAM tier {row['small_ram_tier']}" + backed
+            if row.get("ram_only"):
+                backed = (", again from the RAM tier (page cache dropped)"
+                          if row.get("from_ram_tier") else ", no SSD tier" + backed)
             lines.append(f"| {row['reader']}{backed} | {row['mb_per_s']:.0f} "
                          f"| {row['cpu_s_per_gib']:.2f} |")
     lines += ["", "| pass | event loop | worker threads | other threads | files/s one "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.dataplane import by_thread_text, requests_text, switches_text
+from bench.dataplane import by_thread_text, report, requests_text, switches_text
 from bench.harness import costs, fuse_census, procstats, tree
 from bench.harness.contenders import CONTENDERS, parse_contenders
 from bench.harness.dataset import size_summary
@@ -337,6 +337,24 @@ def test_the_data_path_report_gives_the_loops_ceiling() -> None:
     row = {"cpu_ms_per_file_by_thread": {"loop": 0.25, "workers": 0.1, "other": 0.125}}
     assert by_thread_text(row) == "0.250 ms | 0.100 ms | 0.125 ms | 4,000"
     assert by_thread_text({}) == "— | — | — | —"
+
+
+def test_the_data_path_report_names_each_large_read() -> None:
+    def read(**row: object) -> dict[str, object]:
+        return {"reader": "bucketfs, dd bs=4M", "mb_per_s": 500.0, "cpu_s_per_gib": 1.5, **row}
+
+    rows = [read(), read(memory_backed_first=True),
+            read(memory_backed_first=True, small_ram_tier="256MiB"),
+            read(memory_backed_first=True, ram_only=True),
+            read(ram_only=True, from_ram_tier=True),
+            read(memory_backed_first=True, from_ssd_tier=True)]
+    text = report({"machine": "m", "clients": [], "passes": {}, "large": rows, "scale": []})
+    labels = [line.split(" | ")[0].removeprefix("| bucketfs, dd bs=4M") for line in
+              text.splitlines() if line.startswith("| bucketfs, dd")]
+    assert labels == ["", ", memory backed first", ", RAM tier 256MiB, memory backed first",
+                      ", no SSD tier, memory backed first",
+                      ", again from the RAM tier (page cache dropped)",
+                      ", from the SSD tier (remounted), memory backed first"]
 
 
 def test_voluntary_context_switches_are_split_like_the_cpu() -> None:
