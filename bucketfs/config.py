@@ -431,6 +431,28 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
     return config
 
 
+#: The sections whose options reach buckets of one scheme only.
+_SCHEME_OF_SECTION = {"s3": "s3", "gcs": "gs"}
+#: [s3] options the shared tier (an s3:// bucket) follows too, whatever the origin is.
+_SHARED_TIER_FOLLOWS = {"endpoint_url", "region", "addressing_style", "profile"}
+
+
+def options_for_other_buckets(config: Config, scheme: str) -> list[str]:
+    """The options set away from their defaults that do nothing for a bucket of `scheme`
+    (`--billing-project` for an s3:// bucket, say), each as its key and flag. Not an
+    error: one config file may serve mounts of both clouds."""
+    found = []
+    for option in OPTIONS:
+        value = getattr(config, option.name)
+        if _SCHEME_OF_SECTION.get(option.section, scheme) == scheme or value == option.default:
+            continue
+        if config.shared is not None and option.name in _SHARED_TIER_FOLLOWS:
+            continue
+        flag = "--no-" + option.flag[2:] if value is False else option.flag
+        found.append(f"{option.key} ({flag})")
+    return found
+
+
 def render_example() -> str:
     """The text of mount.conf.example (a test checks the file matches)."""
     lines = [

@@ -51,7 +51,7 @@ from bucketfs.cache.shared_names import Dataset
 from bucketfs.cache.shared_store import SharedError, SharedStore
 from bucketfs.cache.tier import CacheEvents
 from bucketfs.cache.tiered import BlockCache
-from bucketfs.config import Config
+from bucketfs.config import Config, options_for_other_buckets
 from bucketfs.fs import PATCHED_PYFUSE3, Operations
 from bucketfs.hints.location import socket_path
 from bucketfs.hints_server import HintsServerError, serve_hints
@@ -223,6 +223,9 @@ async def _serve(
     store = ObjectStore(backend, max_workers=config.max_connections, retry=retry,
                         page_size=config.list_page_size)
     warnings: list[str] = []
+    if unused := options_for_other_buckets(config, info.url.scheme):
+        warnings.append(f"{', '.join(unused)}: for another kind of bucket; nothing for "
+                        f"{info.url}")
     info.source = origin_identity(info.url, backend)
     # The plans come first: both tiers' hinted eviction reads them.
     hints = _Hints.make(config) if config.prefetch_window > 0 else None

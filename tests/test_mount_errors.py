@@ -157,6 +157,36 @@ def test_empty_bucket_mounts_with_a_warning(tmp_path):
         assert bucketfs("umount", str(mnt)).returncode == 0
 
 
+def test_options_for_another_kind_of_bucket_are_named_in_one_warning(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_bytes(b"a")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    result = bucketfs("mount", f"file://{tmp_path}/data", str(mnt), "--billing-project",
+                      "team", "--requester-pays", "--no-sign-request")
+    try:
+        assert result.returncode == 0, result.stderr
+        (line,) = [w for w in result.stderr.splitlines() if "another kind of bucket" in w]
+        assert line.startswith("bucketfs: warning: ")
+        for named in ("gcs.billing_project (--billing-project)", "--requester-pays",
+                      "s3.sign_request (--no-sign-request)"):
+            assert named in line
+        assert (mnt / "a.txt").read_bytes() == b"a"
+    finally:
+        assert bucketfs("umount", str(mnt)).returncode == 0
+
+
+def test_only_options_for_other_buckets_are_named():
+    from bucketfs.config import load_config, options_for_other_buckets
+
+    config = load_config(None, {"billing_project": "p", "region": "eu-west-3"})
+    assert options_for_other_buckets(config, "s3") == ["gcs.billing_project (--billing-project)"]
+    assert options_for_other_buckets(config, "gs") == ["s3.region (--region)"]
+    # The shared tier (s3://) follows the [s3] region and credentials whatever the origin.
+    shared = load_config(None, {"region": "eu-west-3", "shared": "s3://team/cache"})
+    assert options_for_other_buckets(shared, "gs") == []
+
+
 def test_daemon_that_cannot_start_is_one_line_and_leaks_no_descriptor(
         source, tmp_path, monkeypatch, capsys):
     """The daemon's process cannot be started (the interpreter gone, out of processes):
