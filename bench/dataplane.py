@@ -25,9 +25,8 @@ layout and one LARGE_MIB object:
     obstore range GETs: MB/s and CPU-s per GiB; the mount's read twice, as the VM gives
     memory and right after fresh memory was touched (`back_memory` says why); through
     a RAM tier a quarter of its size (each block evicts one, as a dataset larger than
-    the RAM budget reads); without an SSD tier, then again from the RAM tier alone (what
-    serving the READs costs, without the GETs); then again from the SSD tier, its cache
-    directory mounted anew;
+    the RAM budget reads); without an SSD tier, then from the RAM tier alone (the READs'
+    cost, no GETs); then again from the SSD tier, its cache directory mounted anew;
   - the scale runs: files/s and MB/s one daemon serves with each reader count of
     --scale, cold and warm, with its CPU per file and per GiB;
   - for every pass, the daemon's CPU by thread (/proc/PID/task/*/stat): its event loop
@@ -443,6 +442,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["passes"] = passes
         if args.large_mib:
             large_rows = []
+            large_name = large.removeprefix("large/")  # the mounts' prefix is large/
             backing_gib = 3 * -(-args.large_mib // 1024) + 1
             for backed in (False, True):
                 cache_dir = work_dir / f"cache-large-{int(backed)}"
@@ -453,7 +453,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if backed:
                         row["backing_cpu_s"] = back_memory(backing_gib)
                     with Profiler(profile if backed else None, mnt.pid, "large"):
-                        large_rows.append(mnt.dd(large.removeprefix("large/")) | row)
+                        large_rows.append(mnt.dd(large_name) | row)
             # A RAM tier a quarter of the object: every block past it evicts one, as a
             # dataset larger than the RAM budget reads (the evicted blocks' memory is
             # what the next GETs fill: bucketfs/spare_buffers.py).
@@ -464,17 +464,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 drop_page_cache()
                 row = {"memory_backed_first": True, "small_ram_tier": small_ram[1],
                        "backing_cpu_s": back_memory(backing_gib)}
-                large_rows.append(mnt.dd(large.removeprefix("large/")) | row)
+                large_rows.append(mnt.dd(large_name) | row)
             if args.large_mib <= 1024:  # held whole by the RAM tier: what serving the
                 # READs costs (page cache dropped), set against the cold read's GET side.
                 with Mount(server, work_dir / "large", ram, prefix="large") as mnt:
                     drop_page_cache()
                     row = {"memory_backed_first": True, "ram_only": True,
                            "backing_cpu_s": back_memory(backing_gib)}
-                    large_rows.append(mnt.dd(large.removeprefix("large/")) | row)
+                    large_rows.append(mnt.dd(large_name) | row)
                     drop_page_cache()
-                    large_rows.append(mnt.dd(large.removeprefix("large/"))
-                                      | {"ram_only": True, "from_ram_tier": True})
+                    large_rows.append(mnt.dd(large_name) | {"ram_only": True,
+                                                             "from_ram_tier": True})
             # The last cache directory mounted again: every block from the SSD tier, as a
             # later epoch reads a dataset larger than the page cache.
             with Mount(server, work_dir / "large", [*ram, "--cache-dir", str(cache_dir)],
@@ -482,7 +482,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 drop_page_cache()
                 row = {"memory_backed_first": True, "from_ssd_tier": True,
                        "backing_cpu_s": back_memory(backing_gib)}
-                large_rows.append(mnt.dd(large.removeprefix("large/")) | row)
+                large_rows.append(mnt.dd(large_name) | row)
             base = obstore_large(server, large, args.large_mib * MiB)
             if base is not None:
                 large_rows.append(base)
