@@ -168,7 +168,7 @@ def _report(args: argparse.Namespace, message: str) -> int:
 
 def _mount_foreground(args: argparse.Namespace, url: object, config: object) -> int:
     if args.ready_fd is None and args.options_fd is None:  # not started by a parent
-        huge_pages.run_again_with_huge_pages()
+        huge_pages.run_again_with_huge_pages(config.huge_buffers)  # type: ignore[attr-defined]
     cpus = config.cpus  # type: ignore[attr-defined]
     if cpus is not None:  # before any thread exists: every later thread inherits it
         try:
@@ -225,7 +225,8 @@ def _spawn_daemon(args: argparse.Namespace, config: object) -> int:
         child = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             pass_fds=(write_end, options_read), start_new_session=True,
-            env=huge_pages.environment(os.environ),
+            env=huge_pages.environment(os.environ,
+                                       config.huge_buffers),  # type: ignore[attr-defined]
         )
     except OSError as exc:  # no daemon to talk to: close our ends too
         for fd in (read_end, options_write):

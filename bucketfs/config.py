@@ -300,7 +300,8 @@ OPTIONS: tuple[Option, ...] = (
            "large blocks' buffers (a GET's body, a read from the SSD tier) in "
            "transparent huge pages, one fault per 2 MiB: auto uses them unless the host "
            "takes freed memory back (a VM's free page reporting), where each fresh huge "
-           "page costs the host 512 faults (bucketfs/huge_buffers.py)", '"auto"'),
+           "page costs the host 512 faults; glibc's heap follows the same choice "
+           "(bucketfs/huge_buffers.py, huge_pages.py)", '"auto"'),
     Option("cache", "shared", _shared_url, None,
            "a bucket (s3://BUCKET[/PREFIX]) that nodes training on the same data share as "
            "a third tier between cache_dir and the origin: blocks are looked up there "

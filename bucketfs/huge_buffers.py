@@ -19,7 +19,8 @@ VM whose host takes freed memory back (virtio-balloon free page reporting, in bl
 pages one by one, where 4 KiB pages come from memory freed moments before: there both
 reads cost more and varied widely (docs/BENCHMARKS.md, step 37). So
 `huge_buffers = "auto"` (the default) turns them on unless the host takes freed memory
-back; "always" and "never" decide for the user.
+back; "always" and "never" decide for the user. glibc's own huge-page advice
+(huge_pages.py) follows the same decision.
 
 Huge pages hold no more memory than the block: a GET's mapping is its length rounded to
 whole pages, a tail block under 2 MiB gets ordinary pages, and a read's extra 2 MiB is
@@ -35,19 +36,15 @@ import mmap
 from collections.abc import Callable
 from pathlib import Path
 
+from bucketfs import huge_pages
 from bucketfs.cache.direct_writes import address_of, private_pages
 
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 * 1024 * 1024
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
-#: virtio's balloon device, and its feature bit VIRTIO_BALLOON_F_REPORTING.
-_BALLOON, _REPORTING = "0x0005", 5
-#: The order of a huge page in 4 KiB pages: free page reporting from it or below hands
-#: huge pages back to the host.
-_HUGE_ORDER = 9
 
-__all__ = ["HUGE_PAGE", "choose", "fresh", "host_takes_freed_memory", "read_from", "settings"]
+__all__ = ["HUGE_PAGE", "choose", "fresh", "read_from", "settings"]
 
 
 class _Settings:
@@ -102,37 +99,13 @@ def read_from(size: int, lead: int,
     return memoryview(memory)[skip:skip + size]
 
 
-def host_takes_freed_memory(sys_root: Path = Path("/sys")) -> bool:
-    """Whether this machine's host takes back the memory its guest frees, in blocks a
-    huge page comes from: a virtio balloon reporting free pages, from 2 MiB or less."""
-    order_file = sys_root / "module/page_reporting/parameters/page_reporting_order"
-    try:
-        order = int(order_file.read_text())
-    except (OSError, ValueError):
-        return False  # no free page reporting in this kernel
-    if not 0 <= order <= _HUGE_ORDER:
-        return False
-    for device in (sys_root / "bus/virtio/devices").glob("*"):
-        try:
-            if (device / "device").read_text().strip() != _BALLOON:
-                continue
-            features = (device / "features").read_text().strip()
-        except OSError:
-            continue
-        if len(features) > _REPORTING and features[_REPORTING] == "1":
-            return True
-    return False
-
-
 def choose(option: str, sys_root: Path = Path("/sys")) -> bool:
     """Whether large blocks get huge pages, for the `huge_buffers` option; logged once."""
+    settings.enabled = huge_pages.wanted(option, sys_root)
     if option == "auto":
-        taken_back = host_takes_freed_memory(sys_root)
-        settings.enabled = not taken_back
-        why = ("the host takes freed memory back (free page reporting)" if taken_back
-               else "freed memory stays with this machine")
+        why = ("freed memory stays with this machine" if settings.enabled
+               else "the host takes freed memory back (free page reporting)")
     else:
-        settings.enabled = option == "always"
         why = f"huge_buffers = {option}"
     log.info("large block buffers in huge pages: %s (%s)",
              "yes" if settings.enabled else "no", why)

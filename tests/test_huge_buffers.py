@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bucketfs import huge_buffers
+from bucketfs import huge_buffers, huge_pages
 from bucketfs.cache.direct_writes import address_of
 from tests.pages import mapping_flags
 
@@ -107,7 +107,7 @@ NOT_REPORTING = "0110000" + "0" * 57
 def test_a_host_that_takes_freed_memory_back_is_told_apart(tmp_path, order, devices,
                                                           taken_back):
     root = fake_sys(tmp_path, order=order, devices=devices)
-    assert huge_buffers.host_takes_freed_memory(root) is taken_back
+    assert huge_pages.host_takes_freed_memory(root) is taken_back
 
 
 def test_the_option_decides_and_is_logged(tmp_path, caplog):

@@ -1,6 +1,8 @@
-"""Huge pages for the daemon's large buffers (huge_pages.py): the daemon, started by
+"""Huge pages for the daemon's memory (huge_pages.py): the daemon, started by
 `bucketfs mount` or in the foreground, runs with glibc's malloc asking for transparent
-huge pages and gets them for the blocks it reads; a user's own choice is kept."""
+huge pages where the `huge_buffers` option gives large blocks huge pages (by default
+unless the host takes freed memory back), and gets them for the blocks it reads; a
+user's own choice is kept."""
 
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ MiB = 1024 * 1024
 ON = f"{huge_pages.TUNABLE}=1"
 
 
-#: Whether this machine gives huge pages (its kernel and C library): the mounts below
-#: check what the daemon gets either way.
-GIVES = huge_pages.environment({}) is not None
+#: Whether this machine gives huge pages (its kernel and C library) where they are asked
+#: for, and whether they are by default (not where the host takes freed memory back):
+#: the mounts below check what the daemon gets either way.
+GIVES = huge_pages.environment({}, "always") is not None
+GIVES_BY_DEFAULT = huge_pages.environment({}) is not None
 
 
 @pytest.fixture
@@ -35,6 +39,7 @@ def kernel_with_huge_pages(tmp_path, monkeypatch):
     setting.write_text("always [madvise] never\n")
     monkeypatch.setattr(huge_pages, "_THP", setting)
     monkeypatch.setattr(huge_pages, "_glibc", lambda: True)
+    monkeypatch.setattr(huge_pages, "host_takes_freed_memory", lambda sys_root=None: False)
     return setting
 
 
@@ -42,6 +47,17 @@ def test_the_tunable_is_added_to_the_environment(kernel_with_huge_pages):
     assert huge_pages.environment({"PATH": "/bin"}) == {"PATH": "/bin", "GLIBC_TUNABLES": ON}
     assert huge_pages.environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
         "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{ON}"}
+
+
+def test_glibc_is_asked_only_where_large_buffers_get_huge_pages(kernel_with_huge_pages,
+                                                               monkeypatch):
+    assert huge_pages.environment({}, "never") is None
+    assert huge_pages.environment({}, "always") == {"GLIBC_TUNABLES": ON}
+    # A host that takes freed memory back hands out every fresh huge page unbacked.
+    monkeypatch.setattr(huge_pages, "host_takes_freed_memory", lambda sys_root=None: True)
+    assert huge_pages.environment({}, "auto") is None
+    assert huge_pages.environment({}) is None
+    assert huge_pages.environment({}, "always") == {"GLIBC_TUNABLES": ON}
 
 
 def test_a_users_choice_and_a_kernel_without_huge_pages_change_nothing(
@@ -80,16 +96,18 @@ def source(tmp_path: Path) -> Path:
     return root
 
 
-def test_the_daemon_gets_huge_pages_for_the_blocks_it_reads(source, tmp_path):
+@pytest.mark.parametrize("option", ["always", "auto", "never"])
+def test_the_daemon_gets_huge_pages_where_the_option_says(source, tmp_path, option):
+    gives = {"always": GIVES, "auto": GIVES_BY_DEFAULT, "never": False}[option]
     with mounted(f"file://{source}", tmp_path / "mnt", "--ram-cache", "256MiB",
-                 env={"GLIBC_TUNABLES": ""}) as mnt:
+                 "--huge-buffers", option, env={"GLIBC_TUNABLES": ""}) as mnt:
         pid = daemon_pid(mnt.resolve())
-        assert (ON in tunables(pid).split(":")) == GIVES
+        assert (ON in tunables(pid).split(":")) == gives
         drop_page_cache()
         assert (mnt / "large.bin").read_bytes() == (source / "large.bin").read_bytes()
         # The RAM tier holds the 32 MiB just read, in memory glibc mapped with huge pages
-        # (none where the machine gives none).
-        assert (anon_huge_bytes(pid) >= 4 * MiB) == GIVES
+        # (none where the machine gives none, or the option says no).
+        assert (anon_huge_bytes(pid) >= 4 * MiB) == gives
 
 
 def test_a_user_who_turned_it_off_keeps_it_off(source, tmp_path):
@@ -98,19 +116,20 @@ def test_a_user_who_turned_it_off_keeps_it_off(source, tmp_path):
         assert tunables(daemon_pid(mnt.resolve())) == off
 
 
-def test_a_foreground_mount_runs_itself_again_with_huge_pages(source, tmp_path):
+@pytest.mark.parametrize("option", ["always", "never"])
+def test_a_foreground_mount_runs_itself_again_with_huge_pages(source, tmp_path, option):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     process = subprocess.Popen(
         [sys.executable, "-m", "bucketfs", "mount", f"file://{source}", str(mnt),
-         "--foreground", "--log-file", str(tmp_path / "mnt.log")],
+         "--foreground", "--huge-buffers", option, "--log-file", str(tmp_path / "mnt.log")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         wait_for_foreground_mount(process, mnt)
         # The same process (its pid is what the state directory records), run again.
         assert daemon_pid(mnt) == process.pid
-        assert (ON in tunables(process.pid).split(":")) == GIVES
+        assert (ON in tunables(process.pid).split(":")) == (GIVES and option == "always")
         assert (mnt / "large.bin").stat().st_size == 32 * MiB
     finally:
         process.terminate()
