@@ -209,12 +209,12 @@ class RankedPolicy(EvictionPolicy):
         # so a restored policy computes exactly the same mean.
         self._gap_sum = 0
         self._gap_count = 0
-        # Entries referenced since their last heap record: ranked and pushed when a
-        # victim is next wanted (`_push_pending`), not at every hit. A tier that never
-        # evicts (a warm epoch from RAM) then never ranks its hits, and one that does
-        # ranks an entry once per victim at most. (Admissions push at once: a tier that
-        # admits is about to evict.) Every rank ends in the entry's last reference,
-        # unique, so the order of pushes never decides a victim.
+        # Entries admitted or referenced since their last heap record: ranked and
+        # pushed when a victim is next wanted (`_push_pending`), not at every admission
+        # or hit. A tier that never evicts (a warm epoch from RAM, a cold one filling
+        # the tier) then never ranks its entries until it must, and one that does ranks
+        # an entry once per victim at most. Every rank ends in the entry's last
+        # reference, unique, so the order of pushes never decides a victim.
         self._unpushed: dict[Hashable, None] = {}
 
     # -- subclass hooks ---------------------------------------------------------------
@@ -260,9 +260,8 @@ class RankedPolicy(EvictionPolicy):
         else:
             self._reference(entry)
             entry.size, entry.cost, entry.admitted = size, cost, self._clock
-            self._unpushed.pop(key, None)  # pushed now
         self._start_cooldown(key, entry)
-        self._push(key, entry)
+        self._unpushed[key] = None
         self._maybe_rebuild()
 
     def touch(self, key: Hashable) -> None:

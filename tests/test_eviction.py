@@ -502,10 +502,11 @@ def test_belady_and_replay_on_a_hand_trace() -> None:
         assert (result.hits, result.bytes_fetched) == (0, 6)
 
 
-def test_hits_are_ranked_once_per_victim_not_once_per_hit(
+def test_entries_are_ranked_once_per_victim_not_once_per_admission_or_hit(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A warm epoch from a tier that never evicts ranks none of its hits; when a victim
-    is wanted, each entry referenced since the last one is ranked once, however often."""
+    """A tier that never evicts ranks none of its admissions and hits; when a victim is
+    wanted, each entry admitted or referenced since the last one is ranked once, however
+    often."""
     ranked: list[Hashable] = []
     original = CostAwareLRFU._rank
 
@@ -517,7 +518,11 @@ def test_hits_are_ranked_once_per_victim_not_once_per_hit(
     policy = CostAwareLRFU(cooldown=0)
     for key in range(100):
         policy.admit(key, 100, 0.001)
+    # A tier filling (a cold epoch that fits in it) ranks nothing until a victim is
+    # wanted; then each entry once.
+    assert not ranked
     policy.victim()
+    assert len(ranked) == 100
     ranked.clear()
     records = policy._records()
     rng = random.Random(8)
