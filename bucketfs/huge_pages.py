@@ -13,10 +13,11 @@ large block's buffer is a mapping of its own in whole huge pages instead
 But a VM whose host takes freed memory back (virtio-balloon free page reporting, in
 blocks of 2 MiB and up) hands out every fresh huge page unbacked, and the host faults in
 its 512 pages one by one, where 4 KiB pages come from memory freed moments before. There
-the heap's huge pages, grown as the RAM tier fills with small files, cost a cold ~100 KB
-file 8-13% more daemon CPU (zeroing them was 13% of its samples; docs/BENCHMARKS.md,
-step 46). So glibc is asked exactly where large block buffers get huge pages: the
-`huge_buffers` option (`wanted`) decides both.
+zeroing the heap's huge pages, grown as the RAM tier fills with small files, took 12-13%
+of the daemon's CPU in a cold pass of ~100 KB files, and a body's first touch cost
+0.10-0.16 ms against 0.06 with 4 KiB pages (docs/BENCHMARKS.md, step 46). So glibc is
+asked exactly where large block buffers get huge pages: the `huge_buffers` option
+(`wanted`) decides both.
 
 The setting is read only when a process starts, so it goes into the daemon's
 environment: the parent of `bucketfs mount` passes it to the daemon it starts, and a
