@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Protocol
 from urllib.parse import quote
 
@@ -164,16 +164,19 @@ class CurlRangedGets:
     """`get_range` as a coroutine: one HTTP GET of one byte range of one object version.
 
     `url_of(key, version)` is the object's URL, `pinned(version)` the headers that make
-    any other version fail (If-Match), `answered_header` the response header naming the
-    version sent, checked against the one asked for."""
+    any other version fail (If-Match), `headers` those every GET carries (who pays for
+    it), `answered_header` the response header naming the version sent, checked against
+    the one asked for."""
 
     def __init__(self, settings: CurlSettings, signer: Signer, *,
                  url_of: Callable[[str, str], str], pinned: Callable[[str], list[str]],
-                 answered_header: str, where: Callable[[str], str]) -> None:
+                 answered_header: str, where: Callable[[str], str],
+                 headers: Sequence[str] = ()) -> None:
         self.settings = settings
         self.signer = signer
         self.url_of = url_of
         self.pinned = pinned
+        self.headers = list(headers)
         self.answered_header = header_pattern(answered_header)
         self.where = where
         self._engine: TrioCurl | None = None  # made at first use: after the daemon forks
@@ -195,7 +198,7 @@ class CurlRangedGets:
         except TransientError as exc:
             raise TransientError(f"{self.where(key)}: {exc}") from None
         headers = [f"Range: bytes={start}-{start + length - 1}", *self.pinned(version),
-                   *self.signer.headers()]
+                   *self.headers, *self.signer.headers()]
         transfer = Transfer(self.url_of(key, version), headers, length)
         await self._engine.get(transfer, self.signer.apply)
         data = transfer.take_body()  # taken even on failure: nothing partial kept

@@ -118,7 +118,8 @@ def _curl_gets(bucket: str, api_endpoint: str, credentials: Credentials,
         signer,
         # Naming the generation makes GCS answer 404 once it is gone.
         url_of=lambda key, version: f"{base}/{object_path(key)}?generation={version}",
-        pinned=lambda version: billed, answered_header="x-goog-generation", where=where)
+        pinned=lambda version: [], answered_header="x-goog-generation", where=where,
+        headers=billed)
 
 
 class GcsBackend:

@@ -168,8 +168,8 @@ def _curl_gets(bucket: str, client: Any, session: boto3.session.Session,
         CurlSettings(settings.max_connections, settings.connect_timeout,
                      settings.read_timeout, ca_file(os.environ.get("AWS_CA_BUNDLE"))),
         signer, url_of=url_of,
-        pinned=lambda version: [f'If-Match: "{version}"', *payer], answered_header="etag",
-        where=where)
+        pinned=lambda version: [f'If-Match: "{version}"'], answered_header="etag",
+        where=where, headers=payer)
 
 
 def _client_config(settings: BackendSettings) -> Config:
