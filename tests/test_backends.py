@@ -4,6 +4,7 @@ injected with FaultProxy in front of the real servers."""
 
 from __future__ import annotations
 
+import gzip
 import logging
 import os
 import random
@@ -387,6 +388,30 @@ def test_stale_version_is_refused(scratch: Harness, via: str) -> None:
     scratch.delete("obj")
     with pytest.raises(VersionChanged):
         get(backend, via, "obj", new, 0, 6)
+
+
+@pytest.mark.parametrize("via", VIAS)
+def test_gcs_object_stored_gzip_encoded_reads_as_stored(request: pytest.FixtureRequest,
+                                                        via: str) -> None:
+    """`gcloud storage cp -Z` stores an object gzip-encoded. Its listed size is the stored
+    size, so its bytes must be the stored ones, by any range. Asked without
+    Accept-Encoding: gzip, GCS decompresses it and ignores the range (fake-gcs-server
+    too), which the GETs refused."""
+    harness = new_harness(request, "gcs")
+    try:
+        stored = gzip.compress(random.Random(3).randbytes(300_000) + b"text " * 20_000)
+        blob = harness.server.client().bucket(harness.bucket).blob("data.jsonl.gz")
+        blob.content_encoding = "gzip"
+        blob.upload_from_string(stored, retry=None)
+        backend = harness.backend()
+        info = backend.head("data.jsonl.gz")
+        assert info.size == len(stored)
+        for start, length in [(0, len(stored)), (0, 10), (123_456, 54_321),
+                              (len(stored) - 7, 7)]:
+            assert get(backend, via, "data.jsonl.gz", info.version, start,
+                       length) == stored[start:start + length]
+    finally:
+        harness.close()
 
 
 # --- Access ----------------------------------------------------------------------------

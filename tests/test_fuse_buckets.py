@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
 import hashlib
 import os
 import random
@@ -138,6 +139,34 @@ def test_whole_bucket_mount_shows_both_prefixes(remote, tmp_path):
         assert sorted(os.listdir(mnt)) == ["data", "outside"]
         assert (mnt / "outside/not-mounted.txt").read_bytes() == OBJECTS[
             "outside/not-mounted.txt"]
+
+
+def test_gcs_objects_stored_gzip_encoded_read_as_stored(gcs_server, tmp_path):
+    """Objects uploaded with `gcloud storage cp -Z` (stored gzip-encoded) read as the
+    bytes GCS stores, the size the listing gives: one small, one of several blocks."""
+    bucket = "gzip-gs"
+    gcs_server.create_bucket(bucket)
+    rng = random.Random(17)
+    stored = {"small.json.gz": gzip.compress(b'{"label": 3}\n' * 5_000),
+              "shard.tar.gz": gzip.compress(rng.randbytes(9 * MiB) + bytes(MiB))}
+    for key, data in stored.items():
+        blob = gcs_server.client().bucket(bucket).blob(key)
+        blob.content_encoding = "gzip"
+        blob.upload_from_string(data, retry=None)
+    with mounted(f"gs://{bucket}", tmp_path / "mnt", "--block-size", "2MiB",
+                 env=gcs_server.env()) as mnt:
+        for key, data in stored.items():
+            assert os.stat(mnt / key).st_size == len(data)
+            assert (mnt / key).read_bytes() == data, key
+        drop_page_cache()
+        data = stored["shard.tar.gz"]
+        fd = os.open(mnt / "shard.tar.gz", os.O_RDONLY)
+        try:
+            for start in (5 * MiB + 17, 123, len(data) - 1000):
+                assert os.pread(fd, 300_000, start) == data[start:start + 300_000], start
+        finally:
+            os.close(fd)
+        assert gzip.decompress((mnt / "small.json.gz").read_bytes()).count(b"label") == 5_000
 
 
 def read_large_from_three_places(mnt: Path) -> None:

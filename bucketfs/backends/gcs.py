@@ -62,6 +62,11 @@ _READ_ONLY_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
 #: What names the project that pays for a request to a requester-pays bucket through the
 #: XML API (libcurl's and obstore's GETs); the SDK's JSON API takes `userProject`.
 _USER_PROJECT_HEADER = "x-goog-user-project"
+#: Sent with every GET: an object stored gzip-encoded (`gcloud storage cp -Z`) then
+#: comes as stored, range and all, as its listed size says. Without it GCS decompresses
+#: it and ignores the Range header, which the GETs' checks refuse (EIO). Neither libcurl
+#: (no CURLOPT_ACCEPT_ENCODING) nor obstore decodes the body.
+_STORED_BYTES = ("accept-encoding", "gzip")
 _LIST_FIELDS = "items(name,size,generation,updated),prefixes,nextPageToken"
 # Everything a request can raise that is a failure of the service or the network, not a bug.
 _FAILURES = (
@@ -93,9 +98,10 @@ def _fast_store(bucket: str, api_endpoint: str, credentials: Credentials,
     options: dict[str, Any] = {"base_url": api_endpoint,
                                "client_options": client_options(api_endpoint, settings),
                                "retry_config": RETRY_CONFIG}
+    headers = dict([_STORED_BYTES])
     if settings.gcs_billing_project:
-        options["client_options"]["default_headers"] = {
-            _USER_PROJECT_HEADER: settings.gcs_billing_project}
+        headers[_USER_PROJECT_HEADER] = settings.gcs_billing_project
+    options["client_options"]["default_headers"] = headers
     if isinstance(credentials, AnonymousCredentials):
         options["skip_signature"] = True
     else:
@@ -110,8 +116,9 @@ def _curl_gets(bucket: str, api_endpoint: str, credentials: Credentials,
     base = f"{api_endpoint.rstrip('/')}/{quote(bucket, safe='')}"
     signer = (Unsigned() if isinstance(credentials, AnonymousCredentials)
               else BearerToken(credentials))
-    billed = ([f"{_USER_PROJECT_HEADER}: {settings.gcs_billing_project}"]
-              if settings.gcs_billing_project else [])
+    headers = [": ".join(_STORED_BYTES)]
+    if settings.gcs_billing_project:
+        headers.append(f"{_USER_PROJECT_HEADER}: {settings.gcs_billing_project}")
     return CurlRangedGets(
         CurlSettings(settings.max_connections, settings.connect_timeout,
                      settings.read_timeout, ca_file(os.environ.get("REQUESTS_CA_BUNDLE"))),
@@ -119,7 +126,7 @@ def _curl_gets(bucket: str, api_endpoint: str, credentials: Credentials,
         # Naming the generation makes GCS answer 404 once it is gone.
         url_of=lambda key, version: f"{base}/{object_path(key)}?generation={version}",
         pinned=lambda version: [], answered_header="x-goog-generation", where=where,
-        headers=billed)
+        headers=headers)
 
 
 class GcsBackend:
