@@ -28,6 +28,7 @@ from bucketfs.backends import gcs
 from bucketfs.backends.base import (
     AccessDenied,
     Backend,
+    BackendError,
     ListPage,
     NoSuchBucket,
     NotFound,
@@ -410,6 +411,34 @@ def test_gcs_object_stored_gzip_encoded_reads_as_stored(request: pytest.FixtureR
                               (len(stored) - 7, 7)]:
             assert get(backend, via, "data.jsonl.gz", info.version, start,
                        length) == stored[start:start + length]
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize("via", VIAS)
+def test_a_store_ignoring_the_range_is_refused_at_once(request: pytest.FixtureRequest,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     via: str) -> None:
+    """GCS without Accept-Encoding: gzip answers a ranged GET of a gzip-encoded object
+    with the whole object, decompressed (a real server ignoring Range): an error, and not
+    one worth retrying, on both GET paths."""
+    monkeypatch.setattr(gcs, "_STORED_BYTES", ("x-goog-meta-unused", "1"))
+    harness = new_harness(request, "gcs")
+    try:
+        blob = harness.server.client().bucket(harness.bucket).blob("a.gz")
+        blob.content_encoding = "gzip"
+        blob.upload_from_string(gzip.compress(b"abc" * 1000), retry=None)
+        backend = harness.backend()
+        version = backend.head("a.gz").version
+        store = ObjectStore(backend, max_workers=2, retry=RetryPolicy(3, base_delay=0.01))
+        with pytest.raises(BackendError) as caught:
+            if via == "backend":  # retry.py retries a TransientError only
+                backend.get_range("a.gz", version, 10, 20)
+            else:
+                trio.run(store.get_range, "a.gz", version, 10, 20)
+        assert not isinstance(caught.value, TransientError)
+        assert "ignored the Range header" in str(caught.value)
+        assert store.counts.retries == 0
     finally:
         harness.close()
 

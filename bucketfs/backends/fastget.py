@@ -40,6 +40,8 @@ from bucketfs.backends.common import one_line, pinned_get_status
 from bucketfs.backends.settings import BackendSettings
 
 _STATUS = re.compile(r"status code: (\d{3})")
+#: How obstore says that a ranged GET was answered with the whole object (HTTP 200).
+_WHOLE_OBJECT = "non-partial response when range requested"
 
 
 def client_options(endpoint: str, settings: BackendSettings) -> dict[str, Any]:
@@ -108,6 +110,8 @@ def classify(exc: Exception) -> tuple[type[BackendError], str]:
         return VersionChanged, "object version is gone (HTTP 404)"
     if isinstance(exc, PermissionDeniedError | UnauthenticatedError):
         return AccessDenied, f"access denied ({text})"
+    if _WHOLE_OBJECT in text:  # retrying gets the same answer (as curl_gets.classify)
+        return BackendError, "the store ignored the Range header"
     match = _STATUS.search(text)
     if match is not None:
         return pinned_get_status(int(match.group(1)))
