@@ -66,7 +66,7 @@ _USER_PROJECT_HEADER = "x-goog-user-project"
 #: comes as stored, range and all, as its listed size says. Without it GCS decompresses
 #: it and ignores the Range header, which the GETs' checks refuse (EIO). Neither libcurl
 #: (no CURLOPT_ACCEPT_ENCODING) nor obstore decodes the body.
-_STORED_BYTES = ("accept-encoding", "gzip")
+_STORED_BYTES = {"accept-encoding": "gzip"}
 _LIST_FIELDS = "items(name,size,generation,updated),prefixes,nextPageToken"
 # Everything a request can raise that is a failure of the service or the network, not a bug.
 _FAILURES = (
@@ -92,16 +92,21 @@ def _credentials(bucket: str, settings: BackendSettings) -> tuple[Credentials, s
     return credentials, settings.gcs_project or project or "anonymous"
 
 
+def _get_headers(settings: BackendSettings) -> dict[str, str]:
+    """The headers every GET of the XML API carries, libcurl's and obstore's alike."""
+    headers = dict(_STORED_BYTES)
+    if settings.gcs_billing_project:
+        headers[_USER_PROJECT_HEADER] = settings.gcs_billing_project
+    return headers
+
+
 def _fast_store(bucket: str, api_endpoint: str, credentials: Credentials,
                 settings: BackendSettings) -> GCSStore:
     """An obstore GCSStore reaching the bucket the way the SDK client does."""
     options: dict[str, Any] = {"base_url": api_endpoint,
                                "client_options": client_options(api_endpoint, settings),
                                "retry_config": RETRY_CONFIG}
-    headers = dict([_STORED_BYTES])
-    if settings.gcs_billing_project:
-        headers[_USER_PROJECT_HEADER] = settings.gcs_billing_project
-    options["client_options"]["default_headers"] = headers
+    options["client_options"]["default_headers"] = _get_headers(settings)
     if isinstance(credentials, AnonymousCredentials):
         options["skip_signature"] = True
     else:
@@ -116,9 +121,6 @@ def _curl_gets(bucket: str, api_endpoint: str, credentials: Credentials,
     base = f"{api_endpoint.rstrip('/')}/{quote(bucket, safe='')}"
     signer = (Unsigned() if isinstance(credentials, AnonymousCredentials)
               else BearerToken(credentials))
-    headers = [": ".join(_STORED_BYTES)]
-    if settings.gcs_billing_project:
-        headers.append(f"{_USER_PROJECT_HEADER}: {settings.gcs_billing_project}")
     return CurlRangedGets(
         CurlSettings(settings.max_connections, settings.connect_timeout,
                      settings.read_timeout, ca_file(os.environ.get("REQUESTS_CA_BUNDLE"))),
@@ -126,7 +128,7 @@ def _curl_gets(bucket: str, api_endpoint: str, credentials: Credentials,
         # Naming the generation makes GCS answer 404 once it is gone.
         url_of=lambda key, version: f"{base}/{object_path(key)}?generation={version}",
         pinned=lambda version: [], answered_header="x-goog-generation", where=where,
-        headers=headers)
+        headers=[f"{name}: {value}" for name, value in _get_headers(settings).items()])
 
 
 class GcsBackend:
