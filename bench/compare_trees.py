@@ -1,6 +1,7 @@
 """What a change does to the daemon's CPU per file, against another revision, on a mount:
 
-    python -m bench.compare_trees REV [--rounds 10] [--files 2000] [--readers 16] [--out DIR]
+    python -m bench.compare_trees REV [--rounds 10] [--files 2000] [--readers 16]
+                                      [--ram-cache 2GiB] [--out DIR]
     python -m bench.compare_trees REV --large-mib 1024 [--rounds 4]
 
 A shared VM's speed drifts by tens of percent from one minute to the next, more than
@@ -9,9 +10,12 @@ checkout, then REV, then REV, then this checkout, ...), ROUNDS rounds each, agai
 loopback SeaweedFS. REV is checked out into a temporary git worktree with
 `bucketfs/prefetch` and `bucketfs/hints` linked in as the package maps them, so that no
 part of REV's daemon is imported from this checkout. Each round and tree mounts afresh
-(`--cache-dir`, a 2 GiB RAM tier) and reads FILES objects of ~100 KB with READERS threads
-(16 by default; fewer readers keep fewer requests waiting, which is where batching
-and queueing in the daemon can cost throughput rather than save CPU):
+(`--cache-dir`, a RAM tier of RAM_CACHE, 2 GiB by default) and reads FILES objects of
+~100 KB with READERS threads (16 by default; fewer readers keep fewer requests waiting,
+which is where batching and queueing in the daemon can cost throughput rather than save
+CPU). A RAM tier smaller than the files' bytes makes the cold passes evict a block for
+nearly every one admitted, as a dataset larger than RAM does (the "warm, RAM tier"
+passes then read most files from the SSD tier):
   - cold: every name looked up, every file fetched and written through to SSD;
   - warm, RAM tier: page cache and dentries dropped, so each file is a LOOKUP and a READ
     served from RAM;
@@ -70,6 +74,7 @@ PASSES = ("cold", "warm, RAM tier", "warm, RAM tier, names listed", "warm, page 
           "warm, SSD tier (remounted)", "warm, SSD tier, another order",
           "cold, the order sent first", "cold, names listed first")
 READERS = 16
+RAM_CACHE = "2GiB"
 MEASURES = ("cpu_ms_per_file", "loop_ms_per_file", "files_per_s", "switches_per_file")
 LARGE_MEASURES = ("mb_per_s", "cpu_s_per_gib")
 
@@ -96,9 +101,10 @@ def worktree(rev: str) -> Iterator[Path]:
 
 
 def one_round(server: S3Server, work: Path, tree: Path, relpaths: list[str],
-              readers: int = READERS) -> dict[str, dict[str, float]]:
+              readers: int = READERS, ram_cache: str = RAM_CACHE,
+              ) -> dict[str, dict[str, float]]:
     cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
-    args = ["--ram-cache", "2GiB", "--metadata-ttl", "forever", "--cache-dir", str(cache)]
+    args = ["--ram-cache", ram_cache, "--metadata-ttl", "forever", "--cache-dir", str(cache)]
     try:
         with Mount(server, work / "mnt", args, tree=tree) as mount:
             passes = {"cold": mount.read_all(relpaths, readers)}
@@ -159,7 +165,7 @@ def large_round(server: S3Server, work: Path, tree: Path, key: str, large_mib: i
 
 
 def compare(rev: str, rounds: int, files: int, large_mib: int = 0,
-            readers: int = READERS) -> dict[str, Any]:
+            readers: int = READERS, ram_cache: str = RAM_CACHE) -> dict[str, Any]:
     runs: dict[str, list[dict[str, dict[str, float]]]] = {"this tree": [], rev: []}
     passes, measures = (large_passes(large_mib), LARGE_MEASURES) if large_mib \
         else (PASSES, MEASURES)
@@ -173,7 +179,8 @@ def compare(rev: str, rounds: int, files: int, large_mib: int = 0,
             for name, tree in trees if round_ % 2 == 0 else trees[::-1]:
                 runs[name].append(
                     large_round(server, Path(scratch), tree, large, large_mib) if large_mib
-                    else one_round(server, Path(scratch), tree, relpaths, readers))
+                    else one_round(server, Path(scratch), tree, relpaths, readers,
+                                   ram_cache))
                 print(f"round {round_ + 1}, {name}: " + ", ".join(
                     f"{p} {r[measures[-1]]:.3f}" for p, r in runs[name][-1].items()),
                     flush=True)
@@ -183,7 +190,7 @@ def compare(rev: str, rounds: int, files: int, large_mib: int = 0,
                       for p in passes}
                for name, rows in runs.items()}
     return {"rev": rev, "rounds": rounds, "files": files, "large_mib": large_mib,
-            "readers": readers, "trees": summary}
+            "readers": readers, "ram_cache": ram_cache, "trees": summary}
 
 
 def large_table(results: dict[str, Any]) -> str:
@@ -218,7 +225,8 @@ def table(results: dict[str, Any]) -> str:
         cells += [f"{t[p]['switches_per_file']['median']:.2f}" for t in both]
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + (f"\n\nMedians of {results['rounds']} interleaved rounds, "
-                               f"{results['readers']} readers.\n")
+                               f"{results['readers']} readers, a "
+                               f"{results.get('ram_cache', RAM_CACHE)} RAM tier.\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,11 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=2000)
     parser.add_argument("--readers", type=int, default=READERS,
                         help="threads reading the small files at once")
+    parser.add_argument("--ram-cache", default=RAM_CACHE,
+                        help="the small-file passes' RAM tier (smaller than the files: "
+                             "the cold passes evict)")
     parser.add_argument("--large-mib", type=int, default=0,
                         help="compare the cold read of one object this large instead")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    results = compare(args.rev, args.rounds, args.files, args.large_mib, args.readers)
+    results = compare(args.rev, args.rounds, args.files, args.large_mib, args.readers,
+                      args.ram_cache)
     text = table(results)
     print(text, end="")
     save_results(args.out, "compare-trees", results, text)

@@ -201,8 +201,11 @@ class RankedPolicy(EvictionPolicy):
         self._seq = 0
         self._entries: dict[Hashable, EntryState] = {}
         self._ready: list[_Record] = []  # entries out of cool-down
-        self._cooling: list[_Record] = []  # entries in cool-down, same ranking
-        self._ends: list[tuple[int, int, Hashable]] = []  # (admitted, seq, key) in cool-down
+        # (admitted, seq, key) of the entries in cool-down, by when it ends. They are not
+        # ranked as they come: each is when its cool-down ends, or by the rare victim()
+        # that finds every entry cooling, when at most `cooldown` are (each admission
+        # moves the clock).
+        self._ends: list[tuple[int, int, Hashable]] = []
         # ((last miss, last), seq, key), out of cool-down: staleness order.
         self._recency: list[tuple[tuple[int, int], int, Hashable]] = []
         # Gaps of the entries in the tier that were referenced more than once. Integers,
@@ -261,7 +264,10 @@ class RankedPolicy(EvictionPolicy):
             self._reference(entry)
             entry.size, entry.cost, entry.admitted = size, cost, self._clock
         self._start_cooldown(key, entry)
-        self._unpushed[key] = None
+        if entry.cooling:
+            self._unpushed.pop(key, None)  # ranked when its cool-down ends
+        else:
+            self._unpushed[key] = None
         self._maybe_rebuild()
 
     def touch(self, key: Hashable) -> None:
@@ -270,15 +276,16 @@ class RankedPolicy(EvictionPolicy):
             return
         self._clock += 1
         self._reference(entry)
-        self._unpushed[key] = None
+        if not entry.cooling:  # else ranked when its cool-down ends
+            self._unpushed[key] = None
 
     def remove(self, key: Hashable) -> None:
-        # Its heap records are now outdated: dropped when they surface or at a rebuild.
+        # Its heap records are now outdated: dropped when they surface or at a rebuild,
+        # which the next admission or victim decides on (a removal adds no record).
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._unpushed.pop(key, None)
             self._count_gap(entry, -1)
-            self._maybe_rebuild()
 
     def victim(self) -> Hashable | None:
         if self._unpushed:
@@ -290,7 +297,7 @@ class RankedPolicy(EvictionPolicy):
             if key is not None and self._entries[key].last_miss < horizon:
                 return key
         key = self._top(self._ready)
-        return key if key is not None else self._top(self._cooling)
+        return key if key is not None else self._first_cooling()
 
     def export(self, key: Hashable) -> tuple[float, ...]:
         return self.saved(self._entries[key])
@@ -365,6 +372,7 @@ class RankedPolicy(EvictionPolicy):
         entry.cooling = self.cooldown > 0
         if entry.cooling:
             self._seq += 1
+            entry.seq = self._seq  # outdates its records in the other heaps
             heapq.heappush(self._ends, (entry.admitted, self._seq, key))
 
     def _push_pending(self) -> None:
@@ -382,10 +390,9 @@ class RankedPolicy(EvictionPolicy):
 
     def _push(self, key: Hashable, entry: EntryState) -> None:
         self._seq += 1
-        entry.seq = self._seq
+        entry.seq = self._seq  # outdates the entry's earlier records
         if entry.cooling:
-            heapq.heappush(self._cooling, (self._rank(entry), self._seq, key))
-            return
+            return  # ranked when its cool-down ends (or by _first_cooling)
         heapq.heappush(self._ready, (self._rank(entry), self._seq, key))
         if self.stale_after > 0:
             heapq.heappush(self._recency, ((entry.last_miss, entry.last), self._seq, key))
@@ -400,6 +407,19 @@ class RankedPolicy(EvictionPolicy):
                 entry.cooling = False
                 self._push(key, entry)
 
+    def _first_cooling(self) -> Hashable | None:
+        """The lowest-ranked entry still in cool-down (every entry is): the heap of
+        cool-down ends holds each once, with outdated records of removed ones."""
+        entries, best, best_rank = self._entries, None, None
+        for admitted, _, key in self._ends:
+            entry = entries.get(key)
+            if entry is None or not entry.cooling or entry.admitted != admitted:
+                continue
+            rank = self._rank(entry)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = key, rank
+        return best
+
     def _top(self, heap: list) -> Hashable | None:
         entries = self._entries
         while heap:
@@ -411,7 +431,7 @@ class RankedPolicy(EvictionPolicy):
         return None
 
     def _records(self) -> int:
-        return len(self._ready) + len(self._cooling) + len(self._ends) + len(self._recency)
+        return len(self._ready) + len(self._ends) + len(self._recency)
 
     def _maybe_rebuild(self) -> None:
         # Outdated records cost memory only; rebuilding when they outnumber the live ones
@@ -422,7 +442,6 @@ class RankedPolicy(EvictionPolicy):
 
     def _rebuild(self) -> None:
         ready: list[_Record] = []
-        cooling: list[_Record] = []
         ends: list[tuple[int, int, Hashable]] = []
         recency: list[tuple[tuple[int, int], int, Hashable]] = []
         stale = self.stale_after > 0
@@ -430,15 +449,14 @@ class RankedPolicy(EvictionPolicy):
             self._seq += 1
             entry.seq = self._seq
             if entry.cooling:
-                cooling.append((self._rank(entry), self._seq, key))
                 ends.append((entry.admitted, self._seq, key))
             else:
                 ready.append((self._rank(entry), self._seq, key))
                 if stale:
                     recency.append(((entry.last_miss, entry.last), self._seq, key))
-        for heap in (ready, cooling, ends, recency):
+        for heap in (ready, ends, recency):
             heapq.heapify(heap)
-        self._ready, self._cooling, self._ends, self._recency = ready, cooling, ends, recency
+        self._ready, self._ends, self._recency = ready, ends, recency
         self._unpushed.clear()  # every entry has its record now
 
 

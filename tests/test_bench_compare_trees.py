@@ -12,11 +12,12 @@ from bench.harness.tree import ROOT
 
 
 def test_both_trees_are_measured_for_every_pass_and_the_worktree_goes(tmp_path, capsys):
+    # 100 files of ~100 KB through a 4 MiB RAM tier: the cold passes evict.
     assert compare_trees.main(["HEAD", "--files", "100", "--rounds", "1", "--readers", "4",
-                               "--out", str(tmp_path)]) == 0
+                               "--ram-cache", "4MiB", "--out", str(tmp_path)]) == 0
     saved = json.loads(next(tmp_path.glob("compare-trees-*.json")).read_text())
     assert set(saved["trees"]) == {"this tree", "HEAD"}
-    assert saved["readers"] == 4
+    assert saved["readers"] == 4 and saved["ram_cache"] == "4MiB"
     for tree in saved["trees"].values():
         assert list(tree) == list(compare_trees.PASSES)
         assert tree["cold"]["cpu_ms_per_file"]["median"] > 0  # 100 GETs: ticks counted
@@ -26,7 +27,7 @@ def test_both_trees_are_measured_for_every_pass_and_the_worktree_goes(tmp_path, 
             assert row["loop_ms_per_file"]["median"] >= 0
             assert row["files_per_s"]["median"] > 0
     printed = capsys.readouterr().out
-    assert "| cold |" in printed and "4 readers" in printed
+    assert "| cold |" in printed and "4 readers, a 4MiB RAM tier" in printed
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"],
                                capture_output=True, text=True, check=True).stdout
     assert "bucketfs-rev-" not in worktrees
