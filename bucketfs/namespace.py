@@ -30,10 +30,11 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import trio
-from rocksdict import Options, Rdict
+from rocksdict import Rdict
 
 from bucketfs.backends.base import ListPage, NotFound
 from bucketfs.backends.store import ObjectStore
+from bucketfs.cache.index_options import index_options
 from bucketfs.cache.listings import ROOT_INODE, IndexUnwritable, TreeIndex
 from bucketfs.cache.schema import DirEntry, tree_space
 from bucketfs.runtime import scratch_root
@@ -107,7 +108,7 @@ class Namespace:
         self._temporary: str | None = None
         if index is None:
             self._temporary = scratch_tree_dir()
-            index = Rdict(self._temporary, Options(raw_mode=True))
+            index = Rdict(self._temporary, index_options())
         self.index = index
         self.tree = TreeIndex(index, tree_space(space, root_prefix))
         self._warned: set[str] = set()

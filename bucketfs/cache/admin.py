@@ -27,9 +27,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rocksdict import AccessType, Options, Rdict
+from rocksdict import AccessType, Rdict
 
 from bucketfs.cache import shared_admin
+from bucketfs.cache.index_options import index_options
 from bucketfs.cache.scans import prefixed
 from bucketfs.cache.schema import (
     COUNTERS_KEY,
@@ -93,7 +94,7 @@ def _open_read_only(directory: Path) -> Iterator[Rdict]:
     if not (index_dir / "CURRENT").is_file() or not _raw_mode(index_dir):
         raise CacheAdminError(f"{directory} is not a bucketfs cache directory (no index)")
     with tempfile.TemporaryDirectory(prefix="bucketfs-admin-") as log_dir:
-        options = Options(raw_mode=True)
+        options = index_options()
         options.set_db_log_dir(log_dir)
         try:
             index = Rdict(str(index_dir), options,
@@ -214,7 +215,7 @@ def format_stats(d: dict[str, Any]) -> str:
 def _check_not_in_use(index_dir: Path, directory: Path) -> None:
     """Open the index for writing and close it again: fails while a mount holds LOCK."""
     with tempfile.TemporaryDirectory(prefix="bucketfs-admin-") as log_dir:
-        options = Options(raw_mode=True)
+        options = index_options()
         options.set_db_log_dir(log_dir)
         try:
             Rdict(str(index_dir), options).close()

@@ -49,7 +49,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rocksdict import Options, Rdict, WriteBatch
+from rocksdict import Rdict, WriteBatch
 
 from bucketfs.cache import block_files, schema
 from bucketfs.cache.blocks import BlockId
@@ -67,6 +67,7 @@ from bucketfs.cache.disk_open import (
 from bucketfs.cache.durable import write_many
 from bucketfs.cache.file_reads import read_whole
 from bucketfs.cache.hinted_victims import HintedVictims
+from bucketfs.cache.index_options import index_options
 from bucketfs.cache.ranking import IndexRanking
 from bucketfs.cache.references import BLOCK_RECORDS, DeferredReferences
 from bucketfs.cache.scans import prefixed
@@ -125,7 +126,7 @@ class DiskTier(OpensDirectory):
         try:
             self._private_directories(group)
             # RocksDB locks its directory: a second mount on the same cache fails here.
-            self.index = Rdict(str(self.directory / "index"), Options(raw_mode=True))
+            self.index = Rdict(str(self.directory / "index"), index_options())
         except UnsafePath as exc:
             raise CacheDirError(f"cannot use cache directory {self.directory}: {exc}") from None
         except Exception as exc:  # rocksdict raises its own exception types
