@@ -6,7 +6,7 @@ without:
 Writes N block records (keys shaped as `schema.entry_name` makes them: origin, an
 ImageNet-like key, ETag, size, span; 60-byte values) into a fresh raw-mode RocksDB
 opened with `index_options()` (the daemon's) and into one with RocksDB's defaults
-(no filters), in batches of 10,000 as the write-through does, flushed; then times
+(no filters), in write batches of 10,000, flushed to SST files; then times
 READS `get`s of keys it holds (a hit's lookup) and of keys it does not (a cold block's
 `DiskTier.holds`), CPU per get (`time.process_time`), the two indexes in alternation,
 the best of ROUNDS rounds each. The files stay in the page cache: what is measured is
