@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rocksdict import Options, Rdict
+
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
 from bucketfs.cache.disk import DiskTier
+from bucketfs.cache.index_options import index_options
 from bucketfs.namespace import Namespace
 from bucketfs.prefetch.eviction import make_policy
 from tests.membackend import MemoryBackend
@@ -48,3 +51,22 @@ def test_a_ram_only_mounts_tree_index_has_bloom_filters():
         assert_filtered(Path(namespace._temporary))
     finally:
         namespace.close()
+
+
+def test_an_index_written_without_filters_is_read_with_them_and_back(tmp_path):
+    """A cache written by a bucketfs before the filters opens with them (its old files
+    carry none and are read as before), and an older bucketfs still opens it after."""
+    path = str(tmp_path / "index")
+    index = Rdict(path, Options(raw_mode=True))
+    for i in range(5000):
+        index[b"old%d" % i] = b"v"
+    index.flush()
+    index.close()
+    index = Rdict(path, index_options())
+    assert index.get(b"old123") == b"v" and index.get(b"absent") is None
+    index[b"new"] = b"w"
+    index.flush()
+    index.close()
+    index = Rdict(path, Options(raw_mode=True))
+    assert (index.get(b"old4999"), index.get(b"new")) == (b"v", b"w")
+    index.close()
