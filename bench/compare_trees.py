@@ -226,7 +226,7 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + (f"\n\nMedians of {results['rounds']} interleaved rounds, "
                                f"{results['readers']} readers, a "
-                               f"{results.get('ram_cache', RAM_CACHE)} RAM tier.\n")
+                               f"{results['ram_cache']} RAM tier.\n")
 
 
 def main(argv: list[str] | None = None) -> int:

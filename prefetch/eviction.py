@@ -310,7 +310,8 @@ class RankedPolicy(EvictionPolicy):
         self._clock = max(self._clock, entry.admitted, entry.last)
         self._misses = max(self._misses, entry.last_miss)
         self._start_cooldown(key, entry)
-        self._push(key, entry)  # `remove` above took it out of the pending ones
+        if not entry.cooling:  # else ranked when its cool-down ends
+            self._push(key, entry)  # `remove` above took it out of the pending ones
         self._maybe_rebuild()
 
     # -- the math alone, for a tier that keeps the order itself (the SSD tier keeps it
@@ -389,10 +390,10 @@ class RankedPolicy(EvictionPolicy):
         self._maybe_rebuild()
 
     def _push(self, key: Hashable, entry: EntryState) -> None:
+        """Heap an entry out of cool-down (one in it is never pending: `admit` and
+        `touch` leave it out, and its cool-down's end pushes it)."""
         self._seq += 1
         entry.seq = self._seq  # outdates the entry's earlier records
-        if entry.cooling:
-            return  # ranked when its cool-down ends (or by _first_cooling)
         heapq.heappush(self._ready, (self._rank(entry), self._seq, key))
         if self.stale_after > 0:
             heapq.heappush(self._recency, ((entry.last_miss, entry.last), self._seq, key))
