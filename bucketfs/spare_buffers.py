@@ -55,9 +55,9 @@ MIN_SIZE = 1024 * 1024
 IDLE_S = 2.0
 
 
-#: A block's buffer: a mapping of its own (populated, or in huge pages: huge_buffers.py);
-#: a bytearray where a caller made one.
-Buffer = bytearray | mmap.mmap
+#: A block's buffer: a mapping of its own (populated, or in huge pages: huge_buffers.py),
+#: which a GET writes from its start with the mapping's own `write` (curl_multi.py).
+Buffer = mmap.mmap
 
 
 def _idle_count(spare: deque[Buffer]) -> int:
@@ -87,7 +87,6 @@ def _take_idle(spare: deque[Any], size: int) -> Any:
     return None
 
 
-_BUFFER_TYPES = Buffer.__args__
 _IDLE_REFS = _idle_count(deque([bytearray(1)]))
 _EXACT_COUNTS: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
 
@@ -184,7 +183,7 @@ class SpareBuffers:
         if type(buffer) is mmap.mmap and data.nbytes != len(buffer):
             self.reads.offer(buffer)  # read from SSD: its mapping holds the header too
             return
-        if type(buffer) not in _BUFFER_TYPES or len(buffer) < MIN_SIZE \
+        if type(buffer) is not Buffer or len(buffer) < MIN_SIZE \
                 or len(buffer) not in self._sizes \
                 or data.nbytes != len(buffer) or len(buffer) > self.limit:
             return

@@ -60,7 +60,8 @@ def test_a_large_body_that_trickles_in_wakes_the_driver_far_less_than_it_comes(
 
     def noted(self: TrioCurl, fd: int, mask: int) -> None:
         real(self, fd, mask)
-        marks.extend((t._wake_at, t.length - t._filled) for t in self._running.values()
+        marks.extend((t._wake_at, t.length - t._buffer.tell())
+                     for t in self._running.values()
                      if t._wake_at > 1)
 
     monkeypatch.setattr(TrioCurl, "_act", noted)

@@ -192,7 +192,7 @@ def test_large_blocks_through_a_small_ram_tier_reuse_memory_and_stay_exact(
     """A 12 MiB object read in blocks through a RAM tier of three: every block evicts
     one, whose memory a later GET fills (spare_buffers.py), while readers at other
     offsets still read theirs. Every byte stays exact, pass after pass. Blocks of 1 MiB
-    land in bytearrays; of 2 MiB with `--huge-buffers always`, in mappings of huge
+    land in private mappings; of 2 MiB with `--huge-buffers always`, in mappings of huge
     pages (huge_buffers.py)."""
     url, env, args, _ = remote
     (port,) = free_ports(1)

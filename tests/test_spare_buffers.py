@@ -16,6 +16,7 @@ import trio
 from bucketfs import huge_buffers
 from bucketfs.cache import file_reads
 from bucketfs.cache.blocks import BlockId
+from bucketfs.cache.direct_writes import private_pages
 from bucketfs.cache.ram import RamTier
 from bucketfs.prefetch.eviction import make_policy
 from bucketfs.spare_buffers import MIN_SIZE, SpareBuffers, spare_buffers
@@ -25,8 +26,10 @@ SIZE = 2 * MIN_SIZE
 
 
 def block_of(fill: int, size: int = SIZE) -> memoryview:
-    """A block as a GET hands it out: a read-only view of a whole bytearray."""
-    return memoryview(bytearray([fill]) * size).toreadonly()
+    """A block as a GET hands it out: a read-only view of a whole mapping."""
+    buffer = private_pages(size)
+    buffer.write(bytes([fill]) * size)
+    return memoryview(buffer).toreadonly()
 
 
 def pool_taking(*sizes: int, limit: int = 64 * MIN_SIZE) -> SpareBuffers:
@@ -88,12 +91,13 @@ def test_a_buffer_held_by_another_thread_is_not_taken() -> None:
     assert id(pool.take(SIZE)) == buffer
 
 
-def test_only_a_whole_large_bytearray_of_a_size_taken_is_kept_and_taken() -> None:
+def test_only_a_whole_large_mapping_of_a_size_taken_is_kept_and_taken() -> None:
     pool = pool_taking(SIZE, MIN_SIZE - 1)
     pool.offer(block_of(8, SIZE + 2))  # no GET asks for this size: it would stay idle
     pool.offer(b"x" * SIZE)  # bytes: not ours to overwrite
+    pool.offer(memoryview(bytearray(SIZE)))  # no mapping: a GET writes into one
     pool.offer(block_of(3, MIN_SIZE - 1))  # small: the heap reuses it anyway
-    whole = bytearray(SIZE)
+    whole = private_pages(SIZE)
     pool.offer(memoryview(whole)[:SIZE - 1])  # part of a buffer
     pool.offer(memoryview(memoryview(b"y" * SIZE)))  # a view of bytes
     assert pool.spare_bytes == 0

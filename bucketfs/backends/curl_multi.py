@@ -57,13 +57,13 @@ class Transfer:
     """One GET. Its header lines, and a small body's pieces, are appended to lists by
     libcurl's callbacks: `list.append` itself, a C call, where a Python function per
     piece and per line cost a quarter of a 100 KB GET's CPU. A body from LARGE_BODY on
-    is copied into a buffer of its length as its pieces (16 KiB at most: libcurl's
-    CURL_MAX_WRITE_SIZE, whatever the read brought) arrive: joined
-    at the end, a 4 MiB body held the trio thread, and the FUSE replies waiting on it,
-    for ~1 ms, and the near link's sequential read of large files ran 8% slower
-    (docs/BENCHMARKS.md, step 34). libcurl stops a body longer than `length`
-    (MAXFILESIZE, CURLE_FILESIZE_EXCEEDED), and so does a buffer that would overflow
-    (CURLE_WRITE_ERROR)."""
+    goes into a mapping of its length as its pieces (16 KiB at most: libcurl's
+    CURL_MAX_WRITE_SIZE, whatever the read brought) arrive, by the mapping's own
+    `write` (C: no Python frame per piece, where one cost ~0.03 CPU-s per GiB; step
+    50): joined at the end, a 4 MiB body held the trio thread, and the FUSE replies
+    waiting on it, for ~1 ms, and the near link's sequential read of large files ran
+    8% slower (docs/BENCHMARKS.md, step 34). libcurl stops a body longer than `length`
+    (MAXFILESIZE, CURLE_FILESIZE_EXCEEDED) before it reaches the callback."""
 
     url: str
     headers: list[str]
@@ -76,47 +76,37 @@ class Transfer:
     error: int = 0
     message: str = ""
     _task: trio.lowlevel.Task | None = None
+    #: A large body's mapping, written from its start (its position: the bytes so far).
     _buffer: Buffer | None = None
-    _view: memoryview | None = None
-    _filled: int = 0
     #: A large body's socket and its low-water mark (WAKE_BYTES), which the engine
-    #: sets after libcurl's callbacks return (`want_wake` queues this transfer).
-    _curl: pycurl.Curl | None = None
+    #: sets after libcurl's callbacks return, where it can name the socket.
     _socket: int = -1
     _wake_at: int = 1
-    _wake_want: int = 1
-    _wake_queued: bool = False
-    _want_wake: Callable[[Transfer], None] | None = None
     _is_chunked: bool | None = None
 
     def take_body(self) -> bytes | Buffer:
         """The body, once: the pieces are let go (the handle, kept for the next GET,
         still refers to the list)."""
         if self._buffer is not None:
-            body, self._buffer, self._view = self._buffer, None, None
-            return body if self._filled == len(body) else body[:self._filled]
+            body, self._buffer = self._buffer, None
+            filled = body.tell()
+            return body if filled == len(body) else body[:filled]
         pieces = self.pieces
         body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         pieces.clear()
         return body
 
-    def _fill(self, data: bytes) -> int | None:
-        end = self._filled + len(data)
-        if end > self.length:
-            return 0  # more than the range asked for: libcurl stops the transfer
-        self._view[self._filled:end] = data  # type: ignore[index]
-        self._filled = end
-        left = self.length - end
-        if not left:
-            return None  # the engine resets the mark as the transfer leaves
+    def wake_wanted(self) -> int:
+        """The low-water mark a large body's socket wants now: what the body still
+        lacks, at most WAKE_BYTES, as a power of two (it changes seldom); the mark it
+        has while nothing came yet (headers first), or the body is complete or
+        chunked (the engine resets the mark as the transfer leaves)."""
+        filled = self._buffer.tell()  # type: ignore[union-attr]
+        left = self.length - filled
+        if not filled or not left or self._chunked():
+            return self._wake_at
         want = min(left, WAKE_BYTES)
-        want = 1 << (want.bit_length() - 1)  # a power of two: it changes seldom
-        if want != self._wake_want and not self._chunked():
-            self._wake_want = want
-            if not self._wake_queued:
-                self._wake_queued = True
-                self._want_wake(self)  # type: ignore[misc]
-        return None
+        return 1 << (want.bit_length() - 1)
 
     def _chunked(self) -> bool:
         """Whether the body comes in chunks (asked once): its last chunk's few bytes
@@ -185,8 +175,9 @@ class TrioCurl:
         self._spare: list[pycurl.Curl] = []
         self._driving = False
         self._adding = False  # inside add_handle (see `_set_timer`)
-        #: Large transfers whose socket's low-water mark is to change (Transfer._fill).
-        self._wakes_due: list[Transfer] = []
+        #: The large transfers running, whose sockets' low-water marks follow their
+        #: bodies (`_set_wakes`).
+        self._large: dict[pycurl.Curl, Transfer] = {}
 
     def close(self) -> None:
         for curl in list(self._running):
@@ -207,10 +198,10 @@ class TrioCurl:
         curl.setopt(pycurl.URL, transfer.url)
         curl.setopt(pycurl.HTTPHEADER, transfer.headers)
         if transfer.length >= LARGE_BODY:
-            transfer._buffer = spare_buffers.take(transfer.length)
-            transfer._view = memoryview(transfer._buffer)
-            curl.setopt(pycurl.WRITEFUNCTION, transfer._fill)
-            transfer._curl, transfer._want_wake = curl, self._wakes_due.append
+            buffer = transfer._buffer = spare_buffers.take(transfer.length)
+            buffer.seek(0)  # a spare one was written to its end before
+            curl.setopt(pycurl.WRITEFUNCTION, buffer.write)
+            self._large[curl] = transfer
         else:
             curl.setopt(pycurl.WRITEFUNCTION, transfer.pieces.append)
         curl.setopt(pycurl.HEADERFUNCTION, transfer.header_lines.append)
@@ -291,6 +282,7 @@ class TrioCurl:
         """Fail every GET in flight and wake its task (whatever state libcurl is in)."""
         for curl, transfer in list(self._running.items()):
             del self._running[curl]
+            self._large.pop(curl, None)
             with contextlib.suppress(pycurl.error):
                 self._multi.remove_handle(curl)
             self._spare.append(curl)
@@ -314,28 +306,23 @@ class TrioCurl:
                 self._finish(curl)
             if not queued:
                 break
-        if self._wakes_due:
+        if self._large:
             self._set_wakes()
 
     def _set_wakes(self) -> None:
-        """Give the sockets of the large transfers that asked their new low-water mark
-        (outside libcurl's callbacks, where it can say which socket a transfer uses). A
-        mark above one only on a transfer still running, whose socket is its own."""
-        due = list(self._wakes_due)
-        self._wakes_due.clear()  # before anything can fail: none is left queued
-        for transfer in due:
-            transfer._wake_queued = False
-            want = transfer._wake_want
+        """Give each running large transfer's socket the low-water mark its body wants
+        now (after libcurl acted, where it can say which socket a transfer uses; a few
+        C calls per transfer, and a system call only when the mark changes). Only
+        running transfers are here, and their sockets are their own."""
+        for curl, transfer in self._large.items():
+            want = transfer.wake_wanted()
             if want == transfer._wake_at:
                 continue
-            if want > 1:
-                if self._running.get(transfer._curl) is not transfer:
+            if transfer._socket < 0:
+                try:
+                    transfer._socket = curl.getinfo(pycurl.ACTIVESOCKET)
+                except pycurl.error:  # no socket to name: it wakes at every byte
                     continue
-                if transfer._socket < 0:
-                    try:
-                        transfer._socket = transfer._curl.getinfo(pycurl.ACTIVESOCKET)
-                    except pycurl.error:  # no socket to name: it wakes at every byte
-                        continue
             _set_low_water(transfer._socket, want)
             transfer._wake_at = want
 
@@ -345,7 +332,7 @@ class TrioCurl:
         closed that socket, or its number is another's now: one byte is the default."""
         if transfer._wake_at > 1:
             _set_low_water(transfer._socket, 1)
-            transfer._wake_at = transfer._wake_want = 1
+            transfer._wake_at = 1
 
     def _finish(self, curl: pycurl.Curl) -> None:
         transfer = self._running.get(curl)
@@ -361,6 +348,7 @@ class TrioCurl:
 
     def _remove(self, curl: pycurl.Curl) -> None:
         transfer = self._running.pop(curl)
+        self._large.pop(curl, None)
         self._multi.remove_handle(curl)
         self._spare.append(curl)
         self._stop_waking_late(transfer)
