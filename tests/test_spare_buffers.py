@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 import random
 import re
+import sys
 import threading
 from pathlib import Path
 
@@ -176,6 +177,24 @@ def test_a_get_fills_a_spare_buffer_and_never_one_still_read(
 
     trio.run(main)
     client.close()
+
+
+def test_a_finished_large_get_leaves_nothing_holding_its_buffer(server) -> None:  # noqa: F811
+    """The handle kept for the next GET lets go of the body's mapping (it wrote into it
+    with the mapping's own `write`): held, that memory would outlive the block the RAM
+    tier let go, and the spare buffers would never find it idle to take."""
+    endpoint, _ = server
+    client = gets(endpoint)
+
+    async def main() -> None:
+        body = await client.get_range("obj", VERSION, 0, MIN_SIZE + 9)
+        buffer = body.obj
+        del body
+        held = sys.getrefcount(buffer)
+        client.close()  # the handles go: whatever they held of it goes with them
+        assert sys.getrefcount(buffer) == held
+
+    trio.run(main)
 
 
 def _resident_bytes() -> int:

@@ -282,7 +282,7 @@ class TrioCurl:
         """Fail every GET in flight and wake its task (whatever state libcurl is in)."""
         for curl, transfer in list(self._running.items()):
             del self._running[curl]
-            self._large.pop(curl, None)
+            self._let_go_of_buffer(curl)
             with contextlib.suppress(pycurl.error):
                 self._multi.remove_handle(curl)
             self._spare.append(curl)
@@ -348,10 +348,17 @@ class TrioCurl:
 
     def _remove(self, curl: pycurl.Curl) -> None:
         transfer = self._running.pop(curl)
-        self._large.pop(curl, None)
+        self._let_go_of_buffer(curl)
         self._multi.remove_handle(curl)
         self._spare.append(curl)
         self._stop_waking_late(transfer)
+
+    def _let_go_of_buffer(self, curl: pycurl.Curl) -> None:
+        """A large transfer leaving: its handle, kept for the next GET, lets go of the
+        mapping's `write` it held, which would keep the mapping alive (its memory past
+        the RAM tier's budget) and never idle for the spare buffers to take."""
+        if self._large.pop(curl, None) is not None:
+            curl.setopt(pycurl.WRITEFUNCTION, _no_body)
 
     def _new_handle(self) -> pycurl.Curl:
         curl = pycurl.Curl()
@@ -412,6 +419,12 @@ class TrioCurl:
         """Bring the waiting driver's wakeup forward to `deadline` (never later)."""
         if self._waiting is not None and deadline < self._waiting_until:
             self._waiting.deadline = self._waiting_until = deadline
+
+
+def _no_body(data: bytes) -> int:
+    """The write callback of a handle between GETs (never called: each GET sets its own);
+    refuses any body."""
+    return 0
 
 
 def _set_low_water(fd: int, nbytes: int) -> None:
