@@ -5,7 +5,8 @@
 #   set -o pipefail; DEADLINE=545 bash bench/node_kit/run.sh dataplane gpu placement \
 #       2>&1 | tee $OUT/log.txt            # the `device` tool: carry [".kit"]
 #
-# STEP: smoke (a 200-file dataplane) | dataplane | gpu | placement. Results go to $OUT.
+# STEP: smoke (a 200-file dataplane) | dataplane | gpu | placement | gets (the GET engine
+# against obstore, bench.large_gets). Results go to $OUT.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,6 +34,7 @@ for step in "$@"; do
     dataplane) timeout $(( left < ${DP_LIMIT:-300} ? left : ${DP_LIMIT:-300} )) $PY -m bench.dataplane --files 4000 --large-mib 1024 --scale 16,64 --out "$OUT" ;;
     gpu) timeout $(( left < ${GPU_LIMIT:-240} ? left : ${GPU_LIMIT:-240} )) $PY -m bench.gpu_epoch --images 16384 --epochs 2 --workers 12 --out "$OUT" ;;
     placement) timeout $left $PY -m bench.placement --files 4000 --rounds 1 --variants all,cpus4,cpus2 --out "$OUT" ;;
+    gets) timeout $(( left < 120 ? left : 120 )) $PY -m bench.large_gets --mib 1024 --rounds 2 --out "$OUT" ;;
   esac
   echo "=== $step rc=$? $(( $(date +%s) - s )) s"
 done
