@@ -1,7 +1,7 @@
 """What a change does to the daemon's CPU per file, against another revision, on a mount:
 
     python -m bench.compare_trees REV [--rounds 10] [--files 2000] [--readers 16]
-                                      [--ram-cache 2GiB] [--out DIR]
+                                      [--ram-cache 2GiB] [--file-kb 100] [--out DIR]
     python -m bench.compare_trees REV --large-mib 1024 [--rounds 4]
 
 A shared VM's speed drifts by tens of percent from one minute to the next, more than
@@ -11,7 +11,9 @@ loopback SeaweedFS. REV is checked out into a temporary git worktree with
 `bucketfs/prefetch` and `bucketfs/hints` linked in as the package maps them, so that no
 part of REV's daemon is imported from this checkout. Each round and tree mounts afresh
 (`--cache-dir`, a RAM tier of RAM_CACHE, 2 GiB by default) and reads FILES objects of
-~100 KB with READERS threads (16 by default; fewer readers keep fewer requests waiting,
+~FILE_KB KB (100 by default; each within 20% of it, as `bench.dataplane` makes them:
+`--file-kb 2048` for files of a few MiB, whose bodies take the large-GET path) with READERS
+threads (16 by default; fewer readers keep fewer requests waiting,
 which is where batching and queueing in the daemon can cost throughput rather than save
 CPU). A RAM tier smaller than the files' bytes makes the cold passes evict a block for
 nearly every one admitted, as a dataset larger than RAM does (the "warm, RAM tier"
@@ -165,13 +167,14 @@ def large_round(server: S3Server, work: Path, tree: Path, key: str, large_mib: i
 
 
 def compare(rev: str, rounds: int, files: int, large_mib: int = 0,
-            readers: int = READERS, ram_cache: str = RAM_CACHE) -> dict[str, Any]:
+            readers: int = READERS, ram_cache: str = RAM_CACHE,
+            file_kb: int = 100) -> dict[str, Any]:
     runs: dict[str, list[dict[str, dict[str, float]]]] = {"this tree": [], rev: []}
     passes, measures = (large_passes(large_mib), LARGE_MEASURES) if large_mib \
         else (PASSES, MEASURES)
     with S3Server() as server, tempfile.TemporaryDirectory() as scratch, \
             worktree(rev) as other:
-        keys, large = make_dataset(server, 0 if large_mib else files, 100, large_mib)
+        keys, large = make_dataset(server, 0 if large_mib else files, file_kb, large_mib)
         relpaths = [key.removeprefix("train/") for key in keys]
         random.Random(5).shuffle(relpaths)
         trees = [("this tree", ROOT), (rev, other)]
@@ -190,7 +193,8 @@ def compare(rev: str, rounds: int, files: int, large_mib: int = 0,
                       for p in passes}
                for name, rows in runs.items()}
     return {"rev": rev, "rounds": rounds, "files": files, "large_mib": large_mib,
-            "readers": readers, "ram_cache": ram_cache, "trees": summary}
+            "readers": readers, "ram_cache": ram_cache, "file_kb": file_kb,
+            "trees": summary}
 
 
 def large_table(results: dict[str, Any]) -> str:
@@ -226,7 +230,8 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + (f"\n\nMedians of {results['rounds']} interleaved rounds, "
                                f"{results['readers']} readers, a "
-                               f"{results['ram_cache']} RAM tier.\n")
+                               f"{results['ram_cache']} RAM tier, {results['files']:,} "
+                               f"files of ~{results.get('file_kb', 100):,} KB.\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,12 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ram-cache", default=RAM_CACHE,
                         help="the small-file passes' RAM tier (smaller than the files: "
                              "the cold passes evict)")
+    parser.add_argument("--file-kb", type=int, default=100,
+                        help="the files' mean size (each within 20%% of it)")
     parser.add_argument("--large-mib", type=int, default=0,
                         help="compare the cold read of one object this large instead")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     results = compare(args.rev, args.rounds, args.files, args.large_mib, args.readers,
-                      args.ram_cache)
+                      args.ram_cache, args.file_kb)
     text = table(results)
     print(text, end="")
     save_results(args.out, "compare-trees", results, text)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bucketfs import huge_pages
-from bucketfs.cache.direct_writes import address_of, private_pages
+from bucketfs.cache.direct_writes import Mapping, address_of, private_pages
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,10 @@ def _advise(memory: mmap.mmap, start: int, length: int) -> None:
         memory.madvise(_ADVICE, start, length)
 
 
-def fresh(size: int) -> mmap.mmap:
-    """A buffer of `size` bytes for a GET's body, advised huge. Its length is `size`
-    exactly (the kernel maps whole pages): a body is handed out as a view of all of it,
-    and a longer buffer would be sliced, that is copied."""
-    memory = private_pages(size)  # not shared memory, which gets no huge pages here
+def fresh(size: int, kind: type[Mapping] = mmap.mmap) -> Mapping:  # type: ignore[assignment]
+    """A buffer of `size` bytes for a GET's body (of `kind`, mmap.mmap or a subclass),
+    advised huge."""
+    memory = private_pages(size, kind=kind)  # not shared memory: no huge pages there
     _advise(memory, 0, size)
     return memory
 

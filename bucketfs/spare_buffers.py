@@ -14,9 +14,19 @@ and every view, slice or C caller holding its bytes keeps a reference to that ob
 a buffer that nothing but this module refers to has no reader left, and its bytes may be
 overwritten. `take` checks exactly that, with `sys.getrefcount` against the count an
 idle buffer has (`_IDLE_REFS`, measured on this interpreter with the same loop). A
-buffer is taken only at that count and of the exact size asked for, so a block still
-being replied from, written to the SSD tier or sent to the shared tier is never touched,
-and a GET overwrites every byte it returns (a short body is refused, curl_gets.py).
+buffer is taken only at that count, so a block still being replied from, written to the
+SSD tier or sent to the shared tier is never touched, and a GET overwrites every byte it
+returns (a short body is refused, curl_gets.py).
+
+Sizes: a GET's buffer is as long as its body's size class (`size_class`: eight classes
+per doubling, at most 1/8 longer than the body), and its body a view of its start. So a
+block let go serves a later body of any size in its class: files of a few MiB each of
+its own size (photographs, audio) share buffers, where one buffer per exact size never
+found a second use (a cold pass of ~2 MiB files: 0 of 400 GETs given a spare, against
+256 of 400 when every file had the same size; docs/BENCHMARKS.md, step 51). A large
+object's blocks (the block size, a power of two) are their class exactly. The RAM tier
+charges such a block its buffer's whole length (`held_bytes`), so its budget still
+bounds the memory.
 
 The SSD tier's direct reads of large block files (file_reads.py) get the same: a block
 read from SSD is a view of a private mapping that also holds the file's header page, and
@@ -55,9 +65,34 @@ MIN_SIZE = 1024 * 1024
 IDLE_S = 2.0
 
 
-#: A block's buffer: a mapping of its own (populated, or in huge pages: huge_buffers.py),
-#: which a GET writes from its start with the mapping's own `write` (curl_multi.py).
-Buffer = mmap.mmap
+class GetBuffer(mmap.mmap):
+    """A GET's body buffer: a private mapping (populated, or in huge pages:
+    huge_buffers.py) of a size class's length, which the GET writes from its start with
+    the mapping's own `write` (curl_multi.py). Its own type, so that a view of one is
+    told from a view of another mapping (an SSD tier's read, `SpareMappings`)."""
+
+    __slots__ = ()
+
+
+Buffer = GetBuffer
+
+
+def size_class(size: int) -> int:
+    """The length of the buffer a body of `size` bytes gets: `size` rounded up to an
+    eighth of the power of two below it (so at most 1/8 longer; a power of two is its
+    own class; never under a page)."""
+    step = 1 << max(12, size.bit_length() - 4)
+    return -(-size // step) * step
+
+
+def held_bytes(data: object) -> int:
+    """The memory a block's bytes hold: a GET's buffer whole (its size class), else their
+    length."""
+    if type(data) is memoryview:
+        buffer = data.obj
+        if type(buffer) is GetBuffer:
+            return len(buffer)
+    return len(data)  # type: ignore[arg-type]
 
 
 def _idle_count(spare: deque[Buffer]) -> int:
@@ -158,34 +193,36 @@ class SpareBuffers:
         self.fresh = 0
 
     def take(self, size: int) -> Buffer:
-        """A buffer of `size` bytes: a spare one no one refers to any more, else a new
-        one. Its bytes are whatever it held: the caller overwrites all it hands out."""
+        """A buffer for a body of `size` bytes, as long as its size class: a spare one no
+        one refers to any more, else a new one. Its bytes are whatever it held: the
+        caller overwrites all it hands out, and hands out no more."""
         self._active = True
-        _remember(self._sizes, size)
-        buffer: Buffer | None = _take_idle(self._spare, size)
+        length = size_class(size)
+        _remember(self._sizes, length)
+        buffer: Buffer | None = _take_idle(self._spare, length)
         if buffer is not None:
             self.reused += 1
             return buffer
         self.fresh += 1
-        if huge_buffers.settings.enabled and size >= huge_buffers.HUGE_PAGE:
-            return huge_buffers.fresh(size)
+        if huge_buffers.settings.enabled and length >= huge_buffers.HUGE_PAGE:
+            return huge_buffers.fresh(length, kind=GetBuffer)
         # Not bytearray(size): it faults each page in as it zeroes it, one trap per 4
         # KiB; populated, the kernel does them all in the one call (step 43).
-        return private_pages(size, populate=True)
+        return private_pages(length, populate=True, kind=GetBuffer)
 
     def offer(self, data: object) -> None:
         """A block let go (evicted, removed): its buffer is kept to be taken again, once
         its last reader is done with it; the oldest spare goes past `limit`. Anything
-        but a view of a whole buffer of a size GETs take is left alone."""
+        but a GET's body (a view of a GET's buffer, from its start: the only view of one
+        a block is) of a size class GETs take is left alone."""
         if not _EXACT_COUNTS or type(data) is not memoryview:
             return
         buffer = data.obj
         if type(buffer) is mmap.mmap and data.nbytes != len(buffer):
             self.reads.offer(buffer)  # read from SSD: its mapping holds the header too
             return
-        if type(buffer) is not Buffer or len(buffer) < MIN_SIZE \
-                or len(buffer) not in self._sizes \
-                or data.nbytes != len(buffer) or len(buffer) > self.limit:
+        if type(buffer) is not GetBuffer or len(buffer) < MIN_SIZE \
+                or len(buffer) not in self._sizes or len(buffer) > self.limit:
             return
         self._active = True
         self._spare.append(buffer)

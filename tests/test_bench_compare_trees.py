@@ -17,7 +17,7 @@ def test_both_trees_are_measured_for_every_pass_and_the_worktree_goes(tmp_path, 
                                "--ram-cache", "4MiB", "--out", str(tmp_path)]) == 0
     saved = json.loads(next(tmp_path.glob("compare-trees-*.json")).read_text())
     assert set(saved["trees"]) == {"this tree", "HEAD"}
-    assert saved["readers"] == 4 and saved["ram_cache"] == "4MiB"
+    assert saved["readers"] == 4 and saved["ram_cache"] == "4MiB" and saved["file_kb"] == 100
     for tree in saved["trees"].values():
         assert list(tree) == list(compare_trees.PASSES)
         assert tree["cold"]["cpu_ms_per_file"]["median"] > 0  # 100 GETs: ticks counted
@@ -27,7 +27,8 @@ def test_both_trees_are_measured_for_every_pass_and_the_worktree_goes(tmp_path, 
             assert row["loop_ms_per_file"]["median"] >= 0
             assert row["files_per_s"]["median"] > 0
     printed = capsys.readouterr().out
-    assert "| cold |" in printed and "4 readers, a 4MiB RAM tier" in printed
+    assert "| cold |" in printed and "4 readers, a 4MiB RAM tier, 100 files of ~100 KB" \
+        in printed
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"],
                                capture_output=True, text=True, check=True).stdout
     assert "bucketfs-rev-" not in worktrees

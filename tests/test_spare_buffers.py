@@ -20,17 +20,25 @@ from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.direct_writes import private_pages
 from bucketfs.cache.ram import RamTier
 from bucketfs.prefetch.eviction import make_policy
-from bucketfs.spare_buffers import MIN_SIZE, SpareBuffers, spare_buffers
+from bucketfs.spare_buffers import (
+    MIN_SIZE,
+    GetBuffer,
+    SpareBuffers,
+    held_bytes,
+    size_class,
+    spare_buffers,
+)
 from tests.test_curl_gets import BODY, VERSION, gets, server  # noqa: F401 (fixture)
 
 SIZE = 2 * MIN_SIZE
 
 
 def block_of(fill: int, size: int = SIZE) -> memoryview:
-    """A block as a GET hands it out: a read-only view of a whole mapping."""
-    buffer = private_pages(size)
+    """A block as a GET hands it out: a read-only view of the start of a GET's buffer,
+    as long as the size's class."""
+    buffer = private_pages(size_class(size), kind=GetBuffer)
     buffer.write(bytes([fill]) * size)
-    return memoryview(buffer).toreadonly()
+    return memoryview(buffer)[:size].toreadonly()
 
 
 def pool_taking(*sizes: int, limit: int = 64 * MIN_SIZE) -> SpareBuffers:
@@ -92,21 +100,42 @@ def test_a_buffer_held_by_another_thread_is_not_taken() -> None:
     assert id(pool.take(SIZE)) == buffer
 
 
-def test_only_a_whole_large_mapping_of_a_size_taken_is_kept_and_taken() -> None:
-    pool = pool_taking(SIZE, MIN_SIZE - 1)
-    pool.offer(block_of(8, SIZE + 2))  # no GET asks for this size: it would stay idle
+def test_only_a_large_get_buffer_of_a_size_class_taken_is_kept_and_taken() -> None:
+    pool = pool_taking(SIZE, MIN_SIZE // 2)
+    pool.offer(block_of(8, SIZE + 2))  # no GET asks for this class: it would stay idle
     pool.offer(b"x" * SIZE)  # bytes: not ours to overwrite
     pool.offer(memoryview(bytearray(SIZE)))  # no mapping: a GET writes into one
-    pool.offer(block_of(3, MIN_SIZE - 1))  # small: the heap reuses it anyway
-    whole = private_pages(SIZE)
-    pool.offer(memoryview(whole)[:SIZE - 1])  # part of a buffer
+    pool.offer(block_of(3, MIN_SIZE // 2))  # small: the heap reuses it anyway
+    pool.offer(memoryview(private_pages(SIZE)))  # a mapping no GET made (an SSD read's)
+    pool.offer(memoryview(private_pages(SIZE))[:SIZE - 1])  # part of one
     pool.offer(memoryview(memoryview(b"y" * SIZE)))  # a view of bytes
     assert pool.spare_bytes == 0
     pool.offer(block_of(4))
     assert pool.spare_bytes == SIZE
-    pool.take(SIZE + 1)  # another size
+    pool.take(SIZE + 1)  # another size class
     assert pool.reused == 0 and pool.spare_bytes == SIZE
     assert len(pool.take(SIZE)) == SIZE and pool.reused == 1
+
+
+def test_sizes_of_one_class_share_a_buffer_which_the_ram_tier_charges_whole() -> None:
+    """Files of a few MiB each of its own size: a body of any size in a class gets a
+    buffer another body of that class let go, and the RAM tier charges a block the
+    buffer's whole length, so that its budget bounds the memory."""
+    assert [size_class(n) for n in (SIZE, SIZE + 1, SIZE + SIZE // 8, SIZE + SIZE // 8 + 1)] \
+        == [SIZE, SIZE + SIZE // 8, SIZE + SIZE // 8, SIZE + SIZE // 4]
+    assert all(n <= size_class(n) <= n * 9 / 8 for n in range(MIN_SIZE, 9 * MIN_SIZE, 4093))
+    pool = pool_taking(SIZE + 1)
+    block = block_of(9, SIZE + 1000)
+    buffer = id(block.obj)
+    assert held_bytes(block) == size_class(SIZE + 1) and len(block) == SIZE + 1000
+    ram = RamTier(10 * SIZE, make_policy("lru"))
+    ram.put(BlockId("a", "v", 0, size=SIZE + 1000), block, 1.0)
+    assert ram.used == size_class(SIZE + 1)
+    ram.remove(BlockId("a", "v", 0, size=SIZE + 1000), offer=False)
+    assert ram.used == 0
+    pool.offer(block)
+    del block
+    assert id(pool.take(SIZE + SIZE // 8)) == buffer and pool.reused == 1
 
 
 def test_spares_are_bounded_in_bytes_and_go_when_idle() -> None:
@@ -159,7 +188,7 @@ def test_a_get_fills_a_spare_buffer_and_never_one_still_read(
         spare_buffers.let_go_if_idle()
         spare_buffers.let_go_if_idle()  # start with none
         first = await client.get_range("obj", VERSION, 0, length)
-        assert type(first.obj) is mmap.mmap and first.readonly
+        assert type(first.obj) is GetBuffer and first.readonly
         still_read = await client.get_range("obj", VERSION, 7, length)
         kept = bytes(still_read)
         spare_buffers.offer(first)
@@ -212,7 +241,7 @@ def test_a_fresh_buffer_is_faulted_in_when_it_is_mapped(monkeypatch) -> None:
     before = _resident_bytes()
     buffer = pool.take(size)
     grew = _resident_bytes() - before
-    assert type(buffer) is mmap.mmap and len(buffer) == size and pool.fresh == 1
+    assert type(buffer) is GetBuffer and len(buffer) == size and pool.fresh == 1
     assert grew >= size * 0.9, f"only {grew} of {size} bytes resident"
     buffer[size - 1:] = b"x"  # writable, as a GET fills it
 
@@ -221,7 +250,7 @@ def test_a_huge_page_buffer_is_kept_and_taken_again_only_when_idle(monkeypatch) 
     monkeypatch.setattr(huge_buffers.settings, "enabled", True)
     pool = pool_taking(SIZE)
     buffer = pool.take(SIZE)
-    assert type(buffer) is mmap.mmap and len(buffer) == SIZE
+    assert type(buffer) is GetBuffer and len(buffer) == SIZE
     block = memoryview(buffer).toreadonly()
     del buffer
     reply = block[10:20]

@@ -84,13 +84,14 @@ class Transfer:
     _wake_at: int = 1
     _is_chunked: bool | None = None
 
-    def take_body(self) -> bytes | Buffer:
+    def take_body(self) -> bytes | Buffer | memoryview:
         """The body, once: the pieces are let go (the handle, kept for the next GET,
-        still refers to the list)."""
+        still refers to the list). A large body is its buffer, or a view of its start
+        where the buffer (its size class, spare_buffers.py) is longer."""
         if self._buffer is not None:
             body, self._buffer = self._buffer, None
             filled = body.tell()
-            return body if filled == len(body) else body[:filled]
+            return body if filled == len(body) else memoryview(body)[:filled]
         pieces = self.pieces
         body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         pieces.clear()

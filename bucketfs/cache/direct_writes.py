@@ -21,9 +21,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 PAGE = mmap.PAGESIZE
+Mapping = TypeVar("Mapping", bound=mmap.mmap)
 
 __all__ = ["PAGE", "address_of", "private_pages", "write_direct"]
 
@@ -32,7 +33,8 @@ __all__ = ["PAGE", "address_of", "private_pages", "write_direct"]
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def private_pages(size: int, *, populate: bool = False) -> mmap.mmap:
+def private_pages(size: int, *, populate: bool = False,
+                  kind: type[Mapping] = mmap.mmap) -> Mapping:  # type: ignore[assignment]
     """`size` bytes (whole pages) of page-aligned memory of this process's own, as direct
     I/O wants. Private: Python's `mmap.mmap(-1, n)` maps shared memory, which the
     kernel backs with shmem (tmpfs) pages, each first touch adding a page to a shmem
@@ -40,9 +42,10 @@ def private_pages(size: int, *, populate: bool = False) -> mmap.mmap:
     tier: 2.30 -> 1.68 CPU-s per GiB (docs/BENCHMARKS.md, step 36). `populate`: every
     page faulted in now, in one system call (MAP_POPULATE), for memory that will be
     written whole anyway: a fault per 4 KiB page taken one at a time cost a 4 MiB
-    buffer filled in 512 KiB pieces 3.2-3.7 ms here, populated 2.0-2.1 (step 43)."""
+    buffer filled in 512 KiB pieces 3.2-3.7 ms here, populated 2.0-2.1 (step 43).
+    `kind`: mmap.mmap or a subclass of it (a GET's buffer, spare_buffers.GetBuffer)."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (_POPULATE if populate else 0)
-    return mmap.mmap(-1, size, flags=flags)
+    return kind(-1, size, flags=flags)
 
 
 class _Buffer(ctypes.Structure):

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from bucketfs.cache.blocks import BlockId
 from bucketfs.cache.tier import CacheEvents, Hit
 from bucketfs.prefetch.eviction import EvictionPolicy
-from bucketfs.spare_buffers import spare_buffers
+from bucketfs.spare_buffers import held_bytes, spare_buffers
 
 
 class RamTier:
@@ -47,12 +47,14 @@ class RamTier:
 
     def put(self, block: BlockId, data: bytes, cost: float) -> bool:
         """Admit a block, evicting as the policy says; one larger than the budget is not
-        admitted (the reader still gets its bytes)."""
+        admitted (the reader still gets its bytes). A block is charged the memory it
+        holds (a large GET's whole buffer: spare_buffers.held_bytes)."""
         if block in self._blocks:
             return True
-        if len(data) > self.capacity:
+        size = held_bytes(data)
+        if size > self.capacity:
             return False
-        while self.used + len(data) > self.capacity:
+        while self.used + size > self.capacity:
             victim = self.policy.victim()
             assert victim is not None, "used > 0 means the policy ranks something"
             self.remove(victim)
@@ -60,8 +62,8 @@ class RamTier:
             self.events.evicted(victim)
         self._blocks[block] = data
         self._costs[block] = cost
-        self.used += len(data)
-        self.policy.admit(block, len(data), cost)
+        self.used += size
+        self.policy.admit(block, size, cost)
         return True
 
     def remove(self, block: BlockId, *, offer: bool = True) -> None:
@@ -70,7 +72,7 @@ class RamTier:
         data = self._blocks.pop(block, None)
         if data is not None:
             del self._costs[block]
-            self.used -= len(data)
+            self.used -= held_bytes(data)
             self.policy.remove(block)
             if offer:
                 spare_buffers.offer(data)
