@@ -6,8 +6,8 @@ longer than 4 MiB and not 2 MiB-aligned. A private anonymous mapping of exactly 
 block's size is aligned by the kernel (Linux 6.7 on, for lengths that are multiples of
 2 MiB) and, advised `MADV_HUGEPAGE`, is two huge pages. Two users:
 
-- A large GET's body (`fresh`, through spare_buffers.py): a mapping of exactly its
-  length.
+- A large GET's body (`fresh`, through spare_buffers.py): a mapping as long as its size
+  class (`size_class`), a 4 MiB block's exactly.
 - The SSD tier's direct reads (`read_from`). A block file's data starts in the file's
   second page, so that page is placed just below a 2 MiB boundary and only the data
   advised (advised, the header's 2 MiB range would be a huge page of its own).
@@ -44,7 +44,26 @@ log = logging.getLogger(__name__)
 HUGE_PAGE = 2 * 1024 * 1024
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
 
-__all__ = ["HUGE_PAGE", "choose", "fresh", "read_from", "settings"]
+__all__ = ["HUGE_PAGE", "ReadMapping", "choose", "fresh", "read_from", "settings",
+           "size_class"]
+
+
+def size_class(size: int) -> int:
+    """The length of a large block's buffer for `size` bytes: `size` rounded up to an
+    eighth of the power of two below it (so at most 1/8 longer; a power of two is its
+    own class; never under a page). Buffers of one class serve any size in it, so
+    that files each of its own size share them (spare_buffers.py)."""
+    step = 1 << max(12, size.bit_length() - 4)
+    return -(-size // step) * step
+
+
+class ReadMapping(mmap.mmap):
+    """The mapping of a block read from the SSD tier in ordinary pages (`read_from`):
+    its own type, so that the RAM tier charges it whole (its header page and its size
+    class's slack with the block: spare_buffers.held_bytes) and the spare pool knows
+    it."""
+
+    __slots__ = ()
 
 
 class _Settings:
@@ -81,17 +100,19 @@ def read_from(size: int, lead: int,
     caller rounds), for a file whose data starts `lead` bytes in (a multiple of the
     page size). Where huge pages are on and the data fills one, the bytes from `lead`
     start on a 2 MiB boundary, advised huge: the mapping then reaches 2 MiB past what
-    is handed out, a part nothing touches, which holds no memory. `spare(length)`: a
-    mapping of that length to use again (one this function made for a read of the same
-    size, as spare_buffers.py keeps them), or None for a fresh one."""
+    is handed out, a part nothing touches, which holds no memory. The mapping is as
+    long as `size`'s class (`size_class`), the view handed out `size` long: a mapping
+    serves reads of any size in its class. `spare(length)`: a mapping of that length to
+    use again (one this function made for a read of the same class, as spare_buffers.py
+    keeps them), or None for a fresh one: in ordinary pages a `ReadMapping`."""
     huge = settings.enabled and size - lead >= HUGE_PAGE
-    length = size + HUGE_PAGE if huge else size
+    length = size_class(size) + HUGE_PAGE if huge else size_class(size)
     memory = spare(length)
     fresh = memory is None
     if memory is None:
-        memory = private_pages(length)
+        memory = private_pages(length) if huge else private_pages(length, kind=ReadMapping)
     if not huge:
-        return memoryview(memory)
+        return memoryview(memory)[:size]
     skip = -(address_of(memory) + lead) % HUGE_PAGE
     if fresh:  # a mapping used again was advised when it was made
         _advise(memory, skip + lead, (size - lead) // HUGE_PAGE * HUGE_PAGE)

@@ -31,8 +31,8 @@ bounds the memory.
 The SSD tier's direct reads of large block files (file_reads.py) get the same: a block
 read from SSD is a view of a private mapping that also holds the file's header page, and
 when the RAM tier lets it go the mapping is kept (`SpareMappings`, `reads`) for the next
-read of a file of the same size, whose direct read then lands in pages already faulted
-in (27% of the daemon's CPU reading a 1 GiB object from the SSD tier was faults on fresh
+read of a file of the same size class, whose direct read then lands in pages already
+faulted in (27% of the daemon's CPU reading a 1 GiB object from the SSD tier was faults on fresh
 mappings: docs/BENCHMARKS.md, step 40). Those reads run in worker threads, so that pool
 is under a lock; the idle check holds there too: a worker thread can only drop
 references to a mapping, and nothing makes one from a mapping no view refers to.
@@ -57,6 +57,7 @@ import trio
 
 from bucketfs import huge_buffers
 from bucketfs.cache.direct_writes import private_pages
+from bucketfs.huge_buffers import ReadMapping, size_class
 
 #: Bodies from this size get their own mapping (mount.py's mmap threshold), so only
 #: they come back as fresh pages.
@@ -77,21 +78,14 @@ class GetBuffer(mmap.mmap):
 Buffer = GetBuffer
 
 
-def size_class(size: int) -> int:
-    """The length of the buffer a body of `size` bytes gets: `size` rounded up to an
-    eighth of the power of two below it (so at most 1/8 longer; a power of two is its
-    own class; never under a page)."""
-    step = 1 << max(12, size.bit_length() - 4)
-    return -(-size // step) * step
-
-
 def held_bytes(data: object) -> int:
-    """The memory a block's bytes hold: a GET's buffer whole (its size class), else their
-    length."""
+    """The memory a block's bytes hold: a GET's buffer or an SSD read's mapping in
+    ordinary pages whole (its size class), else their length (a read's mapping of huge
+    pages reaches 2 MiB past what it holds, untouched)."""
     if type(data) is memoryview:
-        buffer = data.obj
-        if type(buffer) is GetBuffer:
-            return len(buffer)
+        kind = type(data.obj)
+        if kind is GetBuffer or kind is ReadMapping:
+            return len(data.obj)
     return len(data)  # type: ignore[arg-type]
 
 
@@ -218,7 +212,8 @@ class SpareBuffers:
         if not _EXACT_COUNTS or type(data) is not memoryview:
             return
         buffer = data.obj
-        if type(buffer) is mmap.mmap and data.nbytes != len(buffer):
+        kind = type(buffer)
+        if kind is ReadMapping or (kind is mmap.mmap and data.nbytes != len(buffer)):
             self.reads.offer(buffer)  # read from SSD: its mapping holds the header too
             return
         if type(buffer) is not GetBuffer or len(buffer) < MIN_SIZE \

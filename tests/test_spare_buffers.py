@@ -282,7 +282,9 @@ def test_a_block_read_from_ssd_lands_in_the_mapping_of_one_let_go_never_one_stil
         paths.append(tmp_path / f"block{i}")
         paths[-1].write_bytes(content)
     first = file_reads.read_whole(paths[0])
-    assert type(first.obj) is mmap.mmap  # read direct, into a mapping of its own
+    # Read direct, into a mapping of its own: in ordinary pages one the RAM tier charges
+    # whole (held_bytes); in huge pages a plain one reaching 2 MiB past the block.
+    assert type(first.obj) is (mmap.mmap if huge else huge_buffers.ReadMapping)
     data, still_read = first[page:], file_reads.read_whole(paths[1])[page:]
     kept = bytes(still_read)
     pool.offer(data)  # as the RAM tier offers what it lets go
@@ -301,3 +303,39 @@ def test_a_block_read_from_ssd_lands_in_the_mapping_of_one_let_go_never_one_stil
     pool.let_go_if_idle()
     pool.let_go_if_idle()
     assert pool.reads.spare_bytes == 0
+
+
+def test_ssd_reads_of_sizes_in_one_class_share_a_mapping_charged_whole(
+        tmp_path, monkeypatch) -> None:
+    """Block files of a few MiB, each of its own size: a read lands in the mapping of
+    an earlier read of another size in the same size class, once that block is let go,
+    and the RAM tier charges such a block its whole mapping (header page and the class's
+    slack with it), so that its budget bounds the memory."""
+    monkeypatch.setattr(huge_buffers.settings, "enabled", False)
+    pool = SpareBuffers(64 * MIN_SIZE)
+    monkeypatch.setattr(file_reads, "spare_buffers", pool)
+    page = mmap.PAGESIZE
+    sizes = [SIZE + 10_000, SIZE + 70_000]  # one class: 2 MiB + 256 KiB
+    assert size_class(page + sizes[0]) == size_class(page + sizes[1]) > page + sizes[1]
+    contents = [random.Random(i).randbytes(page + n) for i, n in enumerate(sizes)]
+    for i, content in enumerate(contents):
+        (tmp_path / f"block{i}").write_bytes(content)
+    first = file_reads.read_whole(tmp_path / "block0")
+    data = first[page:]
+    assert held_bytes(data) == len(first.obj) == size_class(page + sizes[0])
+    ram = RamTier(10 * SIZE, make_policy("lru"))
+    ram.put(BlockId("a", "v", 0, size=sizes[0]), data, 1.0)
+    assert ram.used == len(first.obj)
+    mapping = id(first.obj)
+    del first, data
+    ram.remove(BlockId("a", "v", 0, size=sizes[0]), offer=False)
+    assert ram.used == 0
+    second = file_reads.read_whole(tmp_path / "block1")
+    assert id(second.obj) != mapping  # never offered: not taken
+    # Offered as the RAM tier offers what it lets go, once no one reads it: taken.
+    pool.offer(second[page:])
+    taken = id(second.obj)
+    del second
+    again = file_reads.read_whole(tmp_path / "block0")
+    assert id(again.obj) == taken and pool.reads.reused == 1
+    assert bytes(again) == contents[0]
