@@ -32,10 +32,11 @@ The SSD tier's direct reads of large block files (file_reads.py) get the same: a
 read from SSD is a view of a private mapping that also holds the file's header page, and
 when the RAM tier lets it go the mapping is kept (`SpareMappings`, `reads`) for the next
 read of a file of the same size class, whose direct read then lands in pages already
-faulted in (27% of the daemon's CPU reading a 1 GiB object from the SSD tier was faults on fresh
-mappings: docs/BENCHMARKS.md, step 40). Those reads run in worker threads, so that pool
-is under a lock; the idle check holds there too: a worker thread can only drop
-references to a mapping, and nothing makes one from a mapping no view refers to.
+faulted in (27% of the daemon's CPU reading a 1 GiB object from the SSD tier was faults
+on fresh mappings: docs/BENCHMARKS.md, step 40; by size class since step 52). Those
+reads run in worker threads, so that pool is under a lock; the idle check holds there
+too: a worker thread can only drop references to a mapping, and nothing makes one from
+a mapping no view refers to.
 
 Memory: the spare buffers are at most `limit` bytes (the mount sets it to its
 `readahead_max`: a read-ahead window starts that many GETs at once, and its blocks'
