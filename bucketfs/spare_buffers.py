@@ -123,8 +123,9 @@ _EXACT_COUNTS: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
 
 class SpareMappings:
     """Mappings of large blocks read from SSD block files (file_reads.py), let go by the
-    RAM tier, kept for the next direct read of a file of the same size (see the module's
-    doc). `take` runs in the SSD tier's worker threads, `offer` on the trio thread."""
+    RAM tier, kept for the next direct read of a file of the same size class (see the
+    module's doc). `take` runs in the SSD tier's worker threads, `offer` on the trio
+    thread."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
