@@ -57,13 +57,14 @@ class Transfer:
     """One GET. Its header lines, and a small body's pieces, are appended to lists by
     libcurl's callbacks: `list.append` itself, a C call, where a Python function per
     piece and per line cost a quarter of a 100 KB GET's CPU. A body from LARGE_BODY on
-    goes into a mapping of its length as its pieces (16 KiB at most: libcurl's
-    CURL_MAX_WRITE_SIZE, whatever the read brought) arrive, by the mapping's own
-    `write` (C: no Python frame per piece, where one cost ~0.03 CPU-s per GiB; step
-    50): joined at the end, a 4 MiB body held the trio thread, and the FUSE replies
-    waiting on it, for ~1 ms, and the near link's sequential read of large files ran
-    8% slower (docs/BENCHMARKS.md, step 34). libcurl stops a body longer than `length`
-    (MAXFILESIZE, CURLE_FILESIZE_EXCEEDED) before it reaches the callback."""
+    goes into a mapping (as long as its size class: spare_buffers.py) as its pieces
+    (16 KiB at most: libcurl's CURL_MAX_WRITE_SIZE, whatever the read brought) arrive,
+    by the mapping's own `write` (C: no Python frame per piece, where one cost ~0.03
+    CPU-s per GiB; step 50): joined at the end, a 4 MiB body held the trio thread, and
+    the FUSE replies waiting on it, for ~1 ms, and the near link's sequential read of
+    large files ran 8% slower (docs/BENCHMARKS.md, step 34). libcurl stops a body
+    longer than `length` (MAXFILESIZE, CURLE_FILESIZE_EXCEEDED) before it reaches the
+    callback."""
 
     url: str
     headers: list[str]
