@@ -94,8 +94,18 @@ def engine_round(backend: Any, version: str, size: int) -> dict[str, Any]:
 
 
 def run(mib: int, rounds: int) -> dict[str, Any]:
-    size = mib * MiB
+    limit = spare_buffers.limit
     spare_buffers.limit = IN_FLIGHT * BLOCK  # as a mount sets it: its read-ahead
+    try:
+        return measure(mib, rounds)
+    finally:  # the process's pool as it was, and none of this run's buffers in it
+        spare_buffers.limit = limit
+        spare_buffers.let_go_if_idle()
+        spare_buffers.let_go_if_idle()
+
+
+def measure(mib: int, rounds: int) -> dict[str, Any]:
+    size = mib * MiB
     with S3Server() as server:
         upload(server, size)
         # The backend's credential chain reads the environment; it is put back after.
