@@ -60,7 +60,6 @@ import argparse
 import contextlib
 import random
 import shutil
-import statistics
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -69,6 +68,7 @@ from typing import Any
 
 from bench.dataplane import Mount, back_memory, drop_page_cache, make_dataset
 from bench.harness.saving import save_results
+from bench.harness.stats import medians
 from bench.harness.tree import ROOT
 from tests.servers import S3Server
 
@@ -187,10 +187,7 @@ def compare(rev: str, rounds: int, files: int, large_mib: int = 0,
                 print(f"round {round_ + 1}, {name}: " + ", ".join(
                     f"{p} {r[measures[-1]]:.3f}" for p, r in runs[name][-1].items()),
                     flush=True)
-    summary = {name: {p: {measure: {"median": statistics.median(r[p][measure] for r in rows),
-                                    "rounds": [r[p][measure] for r in rows]}
-                          for measure in measures}
-                      for p in passes}
+    summary = {name: {p: medians([r[p] for r in rows], measures) for p in passes}
                for name, rows in runs.items()}
     return {"rev": rev, "rounds": rounds, "files": files, "large_mib": large_mib,
             "readers": readers, "ram_cache": ram_cache, "file_kb": file_kb,

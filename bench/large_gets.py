@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 import unittest.mock
 from pathlib import Path
@@ -32,6 +31,7 @@ import trio
 
 from bench.dataplane import BUCKET, obstore_large
 from bench.harness.saving import save_results
+from bench.harness.stats import medians
 from bucketfs.backends import open_backend
 from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.urls import parse_bucket_url
@@ -128,9 +128,7 @@ def measure(mib: int, rounds: int) -> dict[str, Any]:
             backend.close()
     return {"mib": mib, "rounds": rounds, "machine": f"{os.uname().nodename}, "
             f"{os.cpu_count()} cores",
-            "readers": {reader: {measure: {"median": statistics.median(r[measure] for r in rs),
-                                           "rounds": [r[measure] for r in rs]}
-                                 for measure in ("mb_per_s", "cpu_s_per_gib")}
+            "readers": {reader: medians(rs, ("mb_per_s", "cpu_s_per_gib"))
                         for reader, rs in rows.items()}}
 
 

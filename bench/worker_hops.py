@@ -29,7 +29,6 @@ import argparse
 import concurrent.futures
 import os
 import resource
-import statistics
 import threading
 import time
 import unittest.mock
@@ -40,6 +39,7 @@ from typing import Any
 import trio
 
 from bench.harness.saving import save_results
+from bench.harness.stats import medians
 from bucketfs.backends import open_backend
 from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.urls import parse_bucket_url
@@ -153,10 +153,7 @@ def run(objects: int, rounds: int) -> dict[str, Any]:
                         f"{k} {v:.3f}" for k, v in rows[arm][-1].items()), flush=True)
     return {"objects": objects, "rounds": rounds, "size": SIZE, "callers": CALLERS,
             "machine": f"{os.uname().nodename}, {os.cpu_count()} cores",
-            "arms": {arm: {measure: {"median": statistics.median(r[measure] for r in rs),
-                                     "rounds": [r[measure] for r in rs]}
-                           for measure in rs[0]}
-                     for arm, rs in rows.items()}}
+            "arms": {arm: medians(rs, rs[0]) for arm, rs in rows.items()}}
 
 
 def table(results: dict[str, Any]) -> str:

@@ -218,7 +218,7 @@ class SpareBuffers:
         if kind is ReadMapping or (kind is mmap.mmap and data.nbytes != len(buffer)):
             self.reads.offer(buffer)  # read from SSD: its mapping holds the header too
             return
-        if type(buffer) is not GetBuffer or len(buffer) < MIN_SIZE \
+        if kind is not GetBuffer or len(buffer) < MIN_SIZE \
                 or len(buffer) not in self._sizes or len(buffer) > self.limit:
             return
         self._active = True

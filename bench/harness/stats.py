@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,15 @@ def summarize(values: list[float]) -> Summary | None:
     if not finite:
         return None
     return Summary(statistics.median(finite), min(finite), max(finite), len(finite))
+
+
+def medians(rows: list[dict[str, float]], measures: Iterable[str],
+            ) -> dict[str, dict[str, Any]]:
+    """Each measure's median over rounds (one row each), with every round's figure:
+    {measure: {"median": m, "rounds": [...]}}, as the one-command benchmarks save them."""
+    return {measure: {"median": statistics.median(row[measure] for row in rows),
+                      "rounds": [row[measure] for row in rows]}
+            for measure in measures}
 
 
 def aggregate(records: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
