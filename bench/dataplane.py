@@ -1,7 +1,8 @@
 """What the data path costs, in CPU per file and per GiB, against GET clients alone:
 
     python -m bench.dataplane [--files 2000] [--file-kb 100] [--large-mib 1024]
-                              [--readers 16] [--scale 16,64] [--profile DIR] [--out DIR]
+                              [--readers 16] [--scale 16,64] [--profile DIR]
+                              [--cache-root DIR] [--out DIR]
 
 On loopback SeaweedFS (unshaped), with FILES objects of about FILE_KB in an ImageFolder
 layout and one LARGE_MIB object:
@@ -43,7 +44,12 @@ layout and one LARGE_MIB object:
     same on two cores as on sixty-four.
 With --profile DIR, py-spy (--gil --native) records the daemon during the cold and warm
 passes (raw collapsed stacks, and a summary of the top frames); sampling slows the
-daemon, so a profiled run's figures are not the ones to report. Needs root (FUSE,
+daemon, so a profiled run's figures are not the ones to report. The mounts' SSD tiers
+go under --cache-root (default: the system's temporary directory). Where one disk holds
+them and SeaweedFS's volumes too, as on a VM with one disk, a cold read through an SSD
+tier reads each byte from that disk (the server's GET) and writes it there again (the
+tier's): the large object's rows with an SSD tier then measure the disk as much as the
+daemon; a root on another disk, or tmpfs, takes the tier off it. Needs root (FUSE,
 drop_caches). Results: JSON and a markdown table under --out (bench/results).
 """
 
@@ -63,6 +69,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.dataplane_report import report
 from bench.fresh_memory import touch
 from bench.harness.fuse_census import Census
 from bench.harness.procstats import (
@@ -380,10 +387,12 @@ def summarize(path: Path, top: int = 25) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": f"{platform.node()}, {os.cpu_count()} cores",
                                "args": vars(args) | {"out": str(args.out),
-                                                     "profile": str(args.profile)}}
+                                                     "profile": str(args.profile),
+                                                     "cache_root": str(args.cache_root)}}
     profile = args.profile
-    with S3Server() as server, tempfile.TemporaryDirectory(prefix="dataplane-") as work:
-        work_dir = Path(work)
+    with S3Server() as server, tempfile.TemporaryDirectory(prefix="dataplane-") as work, \
+            tempfile.TemporaryDirectory(prefix="dataplane-caches-", dir=args.cache_root) as caches:
+        work_dir, cache_root = Path(work), Path(caches)
         keys, large = make_dataset(server, args.files, args.file_kb, args.large_mib)
         rel = [k.removeprefix("train/") for k in keys]
         random.Random(5).shuffle(rel)
@@ -391,7 +400,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ram = ["--ram-cache", "2GiB", "--metadata-ttl", "forever"]
         passes: dict[str, Any] = {}
         with Mount(server, work_dir / "cached", [*ram, "--cache-dir",
-                                                   str(work_dir / "cache")]) as mnt:
+                                                   str(cache_root / "cache")]) as mnt:
             mnt.list_tree(rel)
             with Profiler(profile, mnt.pid, "cold-ssd"):
                 passes["cold, --cache-dir"] = mnt.read_all(rel, args.readers)
@@ -414,7 +423,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # in that order). What the daemon does after the last read (packing, prefetch)
         # is charged to the pass: it waits until the daemon is idle.
         with Mount(server, work_dir / "hinted", [*ram, "--cache-dir",
-                                                   str(work_dir / "cache-hinted")]) as mnt:
+                                                   str(cache_root / "cache-hinted")]) as mnt:
             mnt.list_tree(rel)
             passes["cold, --cache-dir, hints"] = mnt.read_all(
                 rel, args.readers, begin=lambda: mnt.send_order(rel), idle=True)
@@ -423,7 +432,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reshuffled = list(rel)
         random.Random(6).shuffle(reshuffled)
         with Mount(server, work_dir / "cached", [*ram, "--cache-dir",
-                                                   str(work_dir / "cache")]) as mnt:
+                                                   str(cache_root / "cache")]) as mnt:
             mnt.list_tree(rel)
             drop_page_cache()
             with Profiler(profile, mnt.pid, "warm-ssd"):
@@ -436,14 +445,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         small_ram = ["--ram-cache", f"{max(16, args.files * args.file_kb // 4096)}MiB",
                      "--metadata-ttl", "forever"]
         with Mount(server, work_dir / "smallram", [*small_ram, "--cache-dir",
-                                                     str(work_dir / "cache-smallram")]) as mnt:
+                                                     str(cache_root / "cache-smallram")]) as mnt:
             mnt.list_tree(rel)
             passes[f"cold, --cache-dir, RAM tier {small_ram[1]}"] = mnt.read_all(
                 rel, args.readers)
         # The same three passes with the daemon answering every open (what a stock
         # pyfuse3 gives): the kernel_opens comparison, in the same run.
         with Mount(server, work_dir / "daemonopens", [*ram, "--no-kernel-opens", "--cache-dir",
-                                                        str(work_dir / "cache-do")]) as mnt:
+                                                        str(cache_root / "cache-do")]) as mnt:
             mnt.list_tree(rel)
             passes["cold, --cache-dir, daemon opens"] = mnt.read_all(rel, args.readers)
             drop_page_cache()
@@ -455,7 +464,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             large_name = large.removeprefix("large/")  # the mounts' prefix is large/
             backing_gib = 3 * -(-args.large_mib // 1024) + 1
             for backed in (False, True):
-                cache_dir = work_dir / f"cache-large-{int(backed)}"
+                cache_dir = cache_root / f"cache-large-{int(backed)}"
                 with Mount(server, work_dir / "large", [*ram, "--cache-dir", str(cache_dir)],
                            prefix="large") as mnt:
                     drop_page_cache()
@@ -470,7 +479,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             small_ram = ["--ram-cache", f"{max(64, args.large_mib // 4)}MiB",
                          "--metadata-ttl", "forever"]
             with Mount(server, work_dir / "large", [*small_ram, "--cache-dir",
-                       str(work_dir / "cache-large-small-ram")], prefix="large") as mnt:
+                       str(cache_root / "cache-large-small-ram")], prefix="large") as mnt:
                 drop_page_cache()
                 row = {"memory_backed_first": True, "small_ram_tier": small_ram[1],
                        "backing_cpu_s": back_memory(backing_gib)}
@@ -499,7 +508,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["large"] = large_rows
         scale = []
         for readers in args.scale:
-            cache = work_dir / f"cache-scale-{readers}"
+            cache = cache_root / f"cache-scale-{readers}"
             with Mount(server, work_dir / f"scale{readers}",
                        [*ram, "--cache-dir", str(cache)]) as mnt:
                 mnt.list_tree(rel)
@@ -511,83 +520,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def requests_text(per_file: dict[str, float] | None) -> str:
-    """"1.00 IOCTL, 1.00 READ": the kinds sent at least once per 100 files."""
-    if per_file is None:
-        return "not counted"
-    shown = [f"{n:.2f} {kind}" for kind, n in per_file.items() if n >= 0.01]
-    return ", ".join(shown) or "none"
-
-
-def report(results: dict[str, Any]) -> str:
-    lines = [f"Machine: {results['machine']}", "",
-             "| data path | CPU per file | files/s | wall | FUSE requests per file |",
-             "| --- | ---: | ---: | ---: | --- |"]
-    for row in results["clients"]:
-        lines.append(f"| {row['client']} (in the reader) | {row['cpu_ms_per_file']:.2f} ms "
-                     f"| {row['files_per_s']:.0f} | {row['wall_s']:.2f} s | |")
-    for name, row in results["passes"].items():
-        lines.append(f"| bucketfs {name} (daemon) | {row['cpu_ms_per_file']:.2f} ms "
-                     f"| {row['files_per_s']:.0f} | {row['wall_s']:.2f} s "
-                     f"| {requests_text(row.get('requests_per_file'))} |")
-    if results.get("large"):
-        lines += ["", "| large object | MB/s | CPU-s per GiB |", "| --- | ---: | ---: |"]
-        for row in results["large"]:
-            backed = ", memory backed first" if row.get("memory_backed_first") else ""
-            if row.get("from_ssd_tier"):
-                backed = ", from the SSD tier (remounted)" + backed
-            if row.get("small_ram_tier"):
-                backed = f", RAM tier {row['small_ram_tier']}" + backed
-            if row.get("ram_only"):
-                backed = (", again from the RAM tier (page cache dropped)"
-                          if row.get("from_ram_tier") else ", no SSD tier" + backed)
-            lines.append(f"| {row['reader']}{backed} | {row['mb_per_s']:.0f} "
-                         f"| {row['cpu_s_per_gib']:.2f} |")
-    lines += ["", "| pass | event loop | worker threads | other threads | files/s one "
-              "event loop allows | context switches per file (loop / workers / other) |",
-              "| --- | ---: | ---: | ---: | ---: | --- |"]
-    for name, row in results["passes"].items():
-        lines.append(f"| {name} | {by_thread_text(row)} | {switches_text(row)} |")
-    lines += ["", "| readers | cold files/s | cold MB/s | cold CPU/file | cold CPU-s/GiB "
-              "| cold loop CPU/file | warm files/s | warm MB/s | warm CPU/file "
-              "| warm loop CPU/file |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for row in results["scale"]:
-        c, w = row["cold"], row["warm_ram"]
-        lines.append(f"| {row['readers']} | {c['files_per_s']:.0f} | {c['mb_per_s']:.0f} "
-                     f"| {c['cpu_ms_per_file']:.2f} ms | {c['cpu_s_per_gib']:.2f} "
-                     f"| {loop_ms(c)} | {w['files_per_s']:.0f} | {w['mb_per_s']:.0f} "
-                     f"| {w['cpu_ms_per_file']:.2f} ms | {loop_ms(w)} |")
-    return "\n".join(lines) + "\n"
-
-
-def loop_ms(row: dict[str, Any]) -> str:
-    split = row.get("cpu_ms_per_file_by_thread")
-    return "—" if split is None else f"{split['loop']:.3f} ms"
-
-
-def by_thread_text(row: dict[str, Any]) -> str:
-    """"0.310 ms | 0.110 ms | 0.115 ms | 3,226": a pass's CPU per file by thread, and the
-    files/s at which its event loop would fill one core."""
-    split = row.get("cpu_ms_per_file_by_thread")
-    if split is None:
-        return "— | — | — | —"
-    ceiling = f"{1000 / split['loop']:,.0f}" if split["loop"] > 0 else "—"
-    return (f"{split['loop']:.3f} ms | {split['workers']:.3f} ms | {split['other']:.3f} ms "
-            f"| {ceiling}")
-
-
-def switches_text(row: dict[str, Any]) -> str:
-    """"0.95 / 7.18 / 2.46": a pass's voluntary context switches per file by thread. Each
-    is a thread that blocked and was woken again (a hand-off between threads, a wait for
-    the GIL, for I/O or for work): what a many-core node pays most for, counted the same
-    on two cores as on sixty-four."""
-    split = row.get("switches_per_file_by_thread")
-    if split is None:
-        return "—"
-    return f"{split['loop']:.2f} / {split['workers']:.2f} / {split['other']:.2f}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=2000)
@@ -597,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", default="16,64",
                         type=lambda text: [int(x) for x in text.split(",") if x])
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--cache-root", type=Path, default=None,
+                        help="where the mounts' cache directories go (default: the "
+                             "system's temporary directory)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     results = run(args)

@@ -1,6 +1,6 @@
 """Backend conformance: file:// (a local directory), s3:// (SeaweedFS) and gs://
-(fake-gcs-server) hold the same objects and must answer the same way. Faults are
-injected with FaultProxy in front of the real servers."""
+(fake-gcs-server) hold the same objects and must answer the same way (the buckets:
+backend_harness.py; faults between a backend and its server: test_backend_faults.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-from unittest import mock
-from urllib.parse import quote
 
 import google.auth
 import google.auth.exceptions
@@ -36,35 +33,23 @@ from bucketfs.backends.base import (
     Unreachable,
     VersionChanged,
 )
-from bucketfs.backends.gcs import GcsBackend
-from bucketfs.backends.local import LocalBackend
 from bucketfs.backends.retry import RetryPolicy
-from bucketfs.backends.s3 import S3Backend
 from bucketfs.backends.settings import BackendSettings
 from bucketfs.backends.store import ObjectStore
-from tests.faultproxy import FaultProxy
+from tests.backend_harness import (
+    BIG,
+    KINDS,
+    OBJECTS,
+    VIAS,
+    GcsHarness,
+    Harness,
+    S3Harness,
+    check_message,
+    get,
+    new_harness,
+    utf8,
+)
 from tests.servers import GcsServer, S3Server
-
-_rng = random.Random(7)
-OBJECTS: dict[str, bytes] = {
-    "100%.txt": b"percent\n",
-    "a+b.txt": b"plus\n",
-    "a.txt": b"alpha\n",
-    "b/1.bin": _rng.randbytes(1000),
-    "b/2.bin": _rng.randbytes(2000),
-    "b/c/deep.txt": b"deep\n",
-    "ba.txt": b"ba\n",
-    "big.bin": _rng.randbytes(300_000),
-    "empty": b"",
-    "with space.txt": b"space\n",
-    "x=1&y.txt": b"query-ish\n",
-    "ünïcödé/文件.txt": b"unicode\n",
-}
-KINDS = ["file", "s3", "gcs"]
-
-
-def utf8(key: str) -> bytes:
-    return key.encode()
 
 
 def model(prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
@@ -98,144 +83,6 @@ def list_all(
             return objects, prefixes, pages
     raise AssertionError("the listing did not end")
 
-
-def check_message(exc: BaseException, *parts: str) -> None:
-    """Errors are one line and name what failed."""
-    text = str(exc)
-    assert "\n" not in text, text
-    for part in parts:
-        assert part in text, (part, text)
-
-
-# --- One bucket on each kind of store ------------------------------------------------
-
-
-class Harness:
-    """A bucket (or directory): backends for it, and writes that go around them."""
-
-    kind = ""
-
-    def __init__(self, bucket: str) -> None:
-        self.bucket = bucket
-        self._opened: list[Backend] = []
-
-    def backend(self, **settings: Any) -> Backend:
-        backend = self._make(**settings)
-        self._opened.append(backend)
-        return backend
-
-    def close(self) -> None:
-        for backend in self._opened:
-            backend.close()
-
-    def _make(self, **settings: Any) -> Backend:
-        raise NotImplementedError
-
-    def put(self, key: str, data: bytes) -> None:
-        raise NotImplementedError
-
-    def delete(self, key: str) -> None:
-        raise NotImplementedError
-
-    def missing_bucket(self) -> Backend:
-        raise NotImplementedError
-
-
-class LocalHarness(Harness):
-    kind = "file"
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(str(root))
-        self.root = root
-
-    def _make(self, **settings: Any) -> Backend:
-        return LocalBackend(self.root)
-
-    def put(self, key: str, data: bytes) -> None:
-        # Write then rename, as an uploader replacing an object would.
-        path = self.root / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = self.root.parent / f".put-{uuid.uuid4().hex}"
-        staging.write_bytes(data)
-        os.replace(staging, path)
-
-    def delete(self, key: str) -> None:
-        (self.root / key).unlink()
-
-    def missing_bucket(self) -> Backend:
-        return LocalBackend(self.root.parent / "no-such-directory")
-
-
-class S3Harness(Harness):
-    kind = "s3"
-
-    def __init__(self, server: S3Server, bucket: str) -> None:
-        super().__init__(bucket)
-        self.server = server
-
-    def _make(self, bucket: str | None = None, env: dict[str, str] | None = None,
-              **settings: Any) -> Backend:
-        # The standard credential chain, fed through the environment as a user would.
-        with mock.patch.dict(os.environ, {**self.server.env(), **(env or {})}):
-            return S3Backend(
-                bucket or self.bucket, BackendSettings(addressing_style="path", **settings)
-            )
-
-    def put(self, key: str, data: bytes) -> None:
-        self.server.put(self.bucket, key, data)
-
-    def delete(self, key: str) -> None:
-        self.server.delete(self.bucket, key)
-
-    def missing_bucket(self) -> Backend:
-        return self.backend(bucket="no-such-bucket-" + uuid.uuid4().hex[:8])
-
-    def path_of(self, key: str) -> str:
-        return f"/{self.bucket}/{quote(key)}"
-
-
-class GcsHarness(Harness):
-    kind = "gcs"
-
-    def __init__(self, server: GcsServer, bucket: str) -> None:
-        super().__init__(bucket)
-        self.server = server
-
-    def _make(self, bucket: str | None = None, endpoint_url: str | None = None,
-              **settings: Any) -> Backend:
-        emulator = {"STORAGE_EMULATOR_HOST": endpoint_url or self.server.endpoint}
-        with mock.patch.dict(os.environ, emulator):
-            return GcsBackend(bucket or self.bucket, BackendSettings(**settings))
-
-    def put(self, key: str, data: bytes) -> None:
-        self.server.put(self.bucket, key, data)
-
-    def delete(self, key: str) -> None:
-        self.server.delete(self.bucket, key)
-
-    def missing_bucket(self) -> Backend:
-        return self.backend(bucket="no-such-bucket-" + uuid.uuid4().hex[:8])
-
-    def path_of(self, key: str) -> str:
-        """What the path of a GET of `key` holds: obstore reads through the XML API,
-        /BUCKET/KEY, and percent-encodes the bucket's "-" (t-HEX): its HEX part, then."""
-        return f"{self.bucket.rpartition('-')[2]}/{quote(key)}"
-
-
-def new_harness(request: pytest.FixtureRequest, kind: str) -> Harness:
-    """An empty bucket of that kind; a fresh name, as the servers live for the session."""
-    name = "t-" + uuid.uuid4().hex[:16]
-    if kind == "file":
-        root = request.getfixturevalue("tmp_path_factory").mktemp("bucket") / name
-        root.mkdir()
-        return LocalHarness(root)
-    if kind == "s3":
-        s3: S3Server = request.getfixturevalue("s3_server")
-        s3.create_bucket(name)
-        return S3Harness(s3, name)
-    gcs: GcsServer = request.getfixturevalue("gcs_server")
-    gcs.create_bucket(name)
-    return GcsHarness(gcs, name)
 
 
 @dataclass
@@ -328,22 +175,6 @@ def test_head_of_a_missing_key_is_not_found(populated: Populated, key: str) -> N
 
 
 # --- Ranged GET ------------------------------------------------------------------------
-
-BIG = OBJECTS["big.bin"]
-
-
-#: How a GET is made: "backend" is the blocking call (obstore, in a worker thread);
-#: "daemon" is what the mount makes, ObjectStore's, which for s3:// and gs:// is libcurl
-#: on the trio thread (curl_gets.py).
-VIAS = ["backend", "daemon"]
-
-
-def get(backend: Backend, via: str, key: str, version: str, start: int,
-        length: int) -> bytes:
-    if via == "backend":
-        return bytes(backend.get_range(key, version, start, length))
-    store = ObjectStore(backend, max_workers=2, retry=RetryPolicy(1))
-    return bytes(trio.run(store.get_range, key, version, start, length))
 
 
 def test_remote_backends_get_through_libcurl_in_the_daemon(populated: Populated) -> None:
@@ -544,131 +375,3 @@ def test_gcs_unreachable_endpoint(gcs_server: GcsServer) -> None:
     finally:
         harness.close()
     check_message(caught.value, "some-bucket", endpoint)
-
-
-# --- Faults between the backend and a real server --------------------------------------
-
-
-@dataclass
-class Proxied:
-    harness: S3Harness | GcsHarness
-    proxy: FaultProxy
-    backend: Backend
-
-
-@pytest.fixture(scope="module", params=["s3", "gcs"])
-def remote(request: pytest.FixtureRequest) -> Iterator[S3Harness | GcsHarness]:
-    """A bucket with two objects on a real server (the first write to a new SeaweedFS
-    bucket takes ~0.2 s, so it is shared)."""
-    harness = new_harness(request, request.param)
-    assert isinstance(harness, S3Harness | GcsHarness)
-    for key in ("one", "two"):
-        harness.put(key, BIG[:100_000])
-    yield harness
-    harness.close()
-
-
-@pytest.fixture
-def proxied(remote: S3Harness | GcsHarness, fault_proxy: Any) -> Proxied:
-    """That bucket read through a fresh FaultProxy."""
-    proxy = fault_proxy(remote.server.endpoint, flavor=remote.kind)
-    return Proxied(remote, proxy, remote.backend(endpoint_url=proxy.endpoint))
-
-
-def run_op(backend: Backend, op: str, version: str) -> object:
-    if op == "get":
-        return backend.get_range("one", version, 0, 100_000)
-    if op == "daemon-get":
-        return get(backend, "daemon", "one", version, 0, 100_000)
-    if op == "head":
-        return backend.head("one")
-    return backend.list_page("", None, None, 1000)
-
-
-# A HEAD response has no body to cut, so "truncate" applies to GET and LIST only.
-@pytest.mark.parametrize(
-    ("op", "action"),
-    [(op, action) for op in ("get", "daemon-get", "head", "list")
-     for action in ("status:503", "status:500", "drop", "truncate", "delay:2")
-     if (op, action) != ("head", "truncate")],
-)
-def test_faults_are_transient(proxied: Proxied, op: str, action: str) -> None:
-    """Each fault is a TransientError (never short data); the next attempt succeeds."""
-    version = proxied.backend.head("one").version
-    faulted = proxied.backend
-    if action.startswith("delay:"):
-        # Only the delayed call gets a read timeout shorter than the delay: a short one
-        # everywhere fails healthy calls on a busy machine.
-        faulted = proxied.harness.backend(endpoint_url=proxied.proxy.endpoint, read_timeout=0.5)
-    proxied.proxy.add_rule(action=action, times=1)
-    with pytest.raises(TransientError) as caught:
-        run_op(faulted, op, version)
-    check_message(caught.value, proxied.harness.bucket)
-    if proxied.harness.kind == "s3":
-        server = proxied.harness.server
-        assert server.secret_key not in str(caught.value)
-        assert server.access_key not in str(caught.value)
-    result = run_op(proxied.backend, op, version)
-    if op in ("get", "daemon-get"):
-        assert bytes(result) == BIG[:100_000]
-
-
-def test_zero_length_read_sends_no_request(proxied: Proxied) -> None:
-    version = proxied.backend.head("one").version
-    before = len(proxied.proxy.requests)
-    assert proxied.backend.get_range("one", version, 50, 0) == b""
-    assert get(proxied.backend, "daemon", "one", version, 50, 0) == b""
-    assert len(proxied.proxy.requests) == before
-
-
-# --- Retries through ObjectStore -------------------------------------------------------
-
-POLICY = RetryPolicy(attempts=4, base_delay=0.01)
-
-
-def test_store_retries_injected_503s_to_success(proxied: Proxied) -> None:
-    info = proxied.backend.head("one")
-    path = proxied.harness.path_of("one")
-    downloads = proxied.proxy.count(path_contains=path)
-    proxied.proxy.add_rule(method="GET", path_contains=path, action="status:503", times=2)
-    store = ObjectStore(proxied.backend, max_workers=2, retry=POLICY)
-
-    data = trio.run(store.get_range, "one", info.version, 0, info.size)
-
-    assert data == BIG[:100_000]
-    assert (store.counts.get, store.counts.retries) == (3, 2)
-    assert proxied.proxy.count(path_contains=path) == downloads + 3
-
-
-def test_store_gives_up_after_the_attempt_budget(proxied: Proxied) -> None:
-    one, two = proxied.backend.head("one"), proxied.backend.head("two")
-    path = proxied.harness.path_of("one")
-    downloads = proxied.proxy.count(path_contains=path)
-    proxied.proxy.add_rule(method="GET", path_contains=path, action="status:503")
-    store = ObjectStore(proxied.backend, max_workers=2, retry=POLICY)
-
-    with pytest.raises(TransientError):
-        trio.run(store.get_range, "one", one.version, 0, one.size)
-    assert proxied.proxy.count(path_contains=path) == downloads + POLICY.attempts
-    # Another key is unaffected.
-    assert trio.run(store.get_range, "two", two.version, 0, 10) == BIG[:10]
-
-
-def test_a_local_file_rewritten_in_place_during_a_read_is_refused(tmp_path, monkeypatch):
-    # A writer changing the file in place (not by a rename) between the version check
-    # and the read would hand back bytes of two versions: the version is checked again.
-    (tmp_path / "f.bin").write_bytes(b"a" * 1000)
-    backend = LocalBackend(tmp_path)
-    version = backend.head("f.bin").version
-    real_pread = os.pread
-
-    def pread_then_rewrite(fd, length, offset):
-        data = real_pread(fd, length, offset)
-        with open(tmp_path / "f.bin", "r+b") as f:
-            f.write(b"b" * 10)
-        os.utime(tmp_path / "f.bin", ns=(1, 1))
-        return data
-
-    monkeypatch.setattr(os, "pread", pread_then_rewrite)
-    with pytest.raises(VersionChanged, match="while it was read"):
-        backend.get_range("f.bin", version, 0, 100)

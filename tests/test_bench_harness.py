@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.dataplane import by_thread_text, report, requests_text, switches_text
+from bench.dataplane_report import by_thread_text, report, requests_text, switches_text
 from bench.harness import costs, fuse_census, procstats, tree
 from bench.harness.contenders import CONTENDERS, parse_contenders
 from bench.harness.dataset import size_summary

@@ -20,8 +20,8 @@ from bucketfs.cache.ram import RamTier
 from bucketfs.cache.schema import STATE_KEY, entry_block, entry_name
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.prefetch.eviction import make_policy
+from tests.chunk_helpers import cache_files
 from tests.membackend import MemoryBackend
-from tests.test_chunks import cache_files
 
 KiB, MiB = 1024, 1024**2
 BLOCK = 256 * KiB

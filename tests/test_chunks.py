@@ -1,7 +1,7 @@
 """Chunk files on the SSD tier (bucketfs/cache/chunks.py) as code: packing moves entries
 out of block files, reads are exact and checked, read-ahead follows a pass over a chunk,
-whole chunks are evicted, emptied chunks reclaimed, and the index survives a crash; the
-daemon-side packer (packer.ChunkPacking) lays out what readers read."""
+whole chunks are evicted, emptied chunks reclaimed, and the index survives a crash (the
+daemon-side packer that lays out what readers read: test_chunk_packing.py)."""
 
 from __future__ import annotations
 
@@ -10,22 +10,14 @@ import errno
 import os
 import random
 import threading
-from pathlib import Path
 
 import pytest
-import trio
 from rocksdict import Options, Rdict
 
-from bucketfs.backends.retry import RetryPolicy
-from bucketfs.backends.store import ObjectStore
 from bucketfs.cache import admin, chunk_holes
-from bucketfs.cache.blocks import BlockId, ObjectRef
 from bucketfs.cache.chunk_files import DATA_START
-from bucketfs.cache.disk import DiskTier
-from bucketfs.cache.ram import RamTier
 from bucketfs.cache.schema import (
     ENTRY,
-    STATE_KEY,
     chunk_key,
     chunk_rank_name,
     decode_chunk,
@@ -33,59 +25,22 @@ from bucketfs.cache.schema import (
     encode_chunk,
     with_chunk_state,
 )
-from bucketfs.cache.tiered import BlockCache
-from bucketfs.packer import ChunkPacking, layout_tag
-from bucketfs.prefetch.eviction import make_policy
-from tests.membackend import MemoryBackend
-
-KiB, MiB = 1024, 1024**2
-NS = "mem://bucket"
-LAYOUT_A, LAYOUT_B = b"layout-a", b"layout-b"
-
-
-def files(count: int, seed: int = 0, size: int = 100 * KiB) -> dict[BlockId, bytes]:
-    rng = random.Random(seed)
-    return {BlockId(f"img/{seed}-{i:04d}.jpg", "v1", 0, size=size + 17 * i):
-            rng.randbytes(size + 17 * i) for i in range(count)}
-
-
-def open_tier(directory: Path, capacity: int = 64 * MiB, policy: str = "cost-lrfu") -> DiskTier:
-    return DiskTier(directory, capacity, make_policy(policy), source=NS, block_size=MiB)
-
-
-def as_if_crashed(directory: Path) -> None:
-    """Make the last run look like one that did not close cleanly (kill -9)."""
-    index = Rdict(str(directory / "index"), Options(raw_mode=True))
-    index.delete(STATE_KEY)
-    index.close()
-
-
-def chunk_files(directory: Path) -> list[Path]:
-    return sorted((directory / "chunks").glob("*.chk"))
-
-
-def block_files(directory: Path) -> list[Path]:
-    return sorted((directory / "data").rglob("*.blk"))
-
-
-def cache_files(directory: Path) -> list[Path]:
-    """The block files and chunk files of an SSD tier."""
-    return sorted([*block_files(directory), *chunk_files(directory)])
-
-
-def forget_reads(disk: DiskTier) -> None:
-    """Close the open chunk files and forget the passes: the next read goes to disk."""
-    disk.chunks._files.close()
-    for chunk in range(disk.chunks.next_id):
-        disk.chunks._passes.forget(chunk)
-
-
-def pack(disk: DiskTier, blocks: dict[BlockId, bytes], layout: bytes = LAYOUT_A) -> bool:
-    return disk.write_chunk([(b, d, 0.01) for b, d in blocks.items()], layout)
-
-
-def totals(disk: DiskTier) -> tuple[int, int, int, int]:
-    return disk.used, disk.chunks.count, disk.chunks.data_bytes, disk.chunks.live_bytes
+from tests.chunk_helpers import (
+    LAYOUT_A,
+    LAYOUT_B,
+    NS,
+    KiB,
+    MiB,
+    allocated,
+    as_if_crashed,
+    block_files,
+    chunk_files,
+    files,
+    forget_reads,
+    open_tier,
+    pack,
+    totals,
+)
 
 
 def test_packing_moves_block_files_into_one_chunk_and_reads_are_exact(tmp_path):
@@ -293,10 +248,6 @@ def test_emptied_chunks_are_reclaimed_and_a_layout_is_not_written_twice(tmp_path
         assert disk.get(block)[:2] == (data, 0.01) and disk.packed_layout(block) == LAYOUT_B
     disk.close()
 
-
-def allocated(path: Path) -> int:
-    """Bytes of disk a file takes (holes take none)."""
-    return path.stat().st_blocks * 512
 
 
 @pytest.mark.parametrize("crashed", [False, True])
@@ -548,137 +499,6 @@ def test_concurrent_reads_packing_and_eviction_never_return_wrong_bytes(tmp_path
     again = open_tier(directory, capacity=3 * MiB, policy="lru")
     assert totals(again) == used
     again.close()
-
-
-# --- the daemon side: ChunkPacking over a BlockCache -------------------------------------
-
-def run_cache(directory: Path, backend: MemoryBackend, body, *, ram: int = 64 * MiB):
-    async def main():
-        disk = open_tier(directory)
-        async with trio.open_nursery() as nursery:
-            store = ObjectStore(backend, max_workers=4, retry=RetryPolicy(1))
-            cache = BlockCache(store, RamTier(ram, make_policy()), disk,
-                               block_size=MiB, nursery=nursery)
-            try:
-                await body(cache)
-                await cache.flush()
-            finally:
-                nursery.cancel_scope.cancel()
-        disk.close()
-
-    trio.run(main)
-
-
-def dataset(count: int = 60) -> dict[str, bytes]:
-    rng = random.Random(count)
-    return {f"img/{i:04d}.jpg": rng.randbytes(100 * KiB + 31 * i) for i in range(count)}
-
-
-def refs(backend: MemoryBackend) -> dict[str, ObjectRef]:
-    return {k: ObjectRef(k, backend.version(k), len(d)) for k, d in backend.objects.items()}
-
-
-async def epoch(cache: BlockCache, packing: ChunkPacking, order: list[str],
-                objects: dict[str, ObjectRef], job=("job", 0)) -> None:
-    """What the daemon does for one hinted epoch: the order, then each open and read."""
-    packing.new_order(job, layout_tag((k, objects[k].size) for k in order),
-                      order_bytes=sum(objects[k].size for k in order))
-    for key in order:
-        packing.opened(key, job)
-        await cache.get(objects[key], 0)
-    await settle(packing)
-
-
-async def settle(packing: ChunkPacking) -> None:
-    with trio.fail_after(10):
-        while packing._receive.statistics().current_buffer_used \
-                or packing._receive.statistics().tasks_waiting_receive == 0:
-            await trio.sleep(0.01)
-
-
-def test_the_packer_lays_out_what_was_read_in_read_order(tmp_path):
-    """Where the SSD tier cannot punch holes (hinted files are then block files), an
-    epoch with no next order known is laid out in its own order, a guess."""
-    backend = MemoryBackend(dataset())
-    objects = refs(backend)
-    order = sorted(objects)
-    random.Random(1).shuffle(order)
-    directory = tmp_path / "cache"
-    seen = {}
-
-    async def body(cache):
-        cache.disk.chunks.holes.work = False  # as on a filesystem without PUNCH_HOLE
-        packing = ChunkPacking(cache, objects, MiB)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(packing.run)
-            await epoch(cache, packing, order, objects)
-            packing.end(("job", 0))  # the last, partial chunk
-            await settle(packing)
-            seen["chunks"] = cache.disk.chunks.count
-            seen["written"] = packing.chunks_written
-            nursery.cancel_scope.cancel()
-
-    run_cache(directory, backend, body, ram=1 * MiB)  # the next epoch reads SSD
-    size = sum(len(d) for d in backend.objects.values())
-    assert seen["chunks"] == seen["written"] == -(-size // (4 * MiB))
-    assert not block_files(directory)
-    assert backend.calls["get"] == 60
-
-    # A new daemon reads the next epoch in the same order: from chunks, one pread each.
-    async def again(cache):
-        for key in order:
-            assert await cache.get(objects[key], 0) == backend.objects[key]
-        seen["reads"] = cache.disk.chunks.reads
-        seen["ahead"] = cache.stats.disk_read_ahead
-
-    run_cache(directory, backend, again)
-    assert backend.calls["get"] == 60
-    assert seen["reads"] == seen["chunks"] and seen["ahead"] == 60 - seen["chunks"]
-
-
-@pytest.mark.parametrize("holes", [True, False])
-def test_shuffled_epochs_are_not_rewritten_and_a_repeated_order_is_laid_out_anew(tmp_path,
-                                                                                 holes):
-    """Packing by a guess (no next order known) is what an order repeated proves right.
-    Where holes can be punched, the write-through's chunks hold a hinted epoch's files in
-    the order it fetched them, and a guess packs nothing; else it lays them out."""
-    backend = MemoryBackend(dataset(40))
-    objects = refs(backend)
-    first, second = sorted(objects), sorted(objects, reverse=True)
-    directory = tmp_path / "cache"
-    seen = []
-
-    async def body(cache):
-        packing = ChunkPacking(cache, objects, MiB)
-        disk = cache.disk
-        if not holes:
-            disk.chunks.holes.work = False  # as on a filesystem without PUNCH_HOLE
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(packing.run)
-            for order in (first, second, second, second):
-                await epoch(cache, packing, order, objects)
-                packing.end(("job", 0))
-                await settle(packing)
-                seen.append((packing.chunks_written, disk.chunks.count,
-                             disk.packed_layout(BlockId(first[0], objects[first[0]].version,
-                                                        0, size=objects[first[0]].size))))
-            nursery.cancel_scope.cancel()
-
-    run_cache(directory, backend, body, ram=1 * MiB)  # mostly read back from SSD
-    layout_1 = layout_tag((k, objects[k].size) for k in first)
-    layout_2 = layout_tag((k, objects[k].size) for k in second)
-    written, count, layouts = zip(*seen, strict=True)
-    # 3 repeats the order, so the log is laid out anew (the old chunks reclaimed); 4 has
-    # nothing to do
-    assert written[3] == written[2] > written[1]
-    assert layouts[2:] == (layout_2, layout_2)
-    assert count[3] == len(chunk_files(directory))
-    if holes:  # 1 and 2 are guesses: the files stay in the write-through's chunks
-        assert written[:2] == (0, 0) and layouts[:2] == (None, None)
-    else:  # 1 packs everything; 2 (a new order, a guess) moves nothing
-        assert written[1] == written[0] > 0 and layouts[:2] == (layout_1, layout_1)
-        assert count[0] == count[2] == count[3]
-    assert backend.calls["get"] == 40
 
 
 def test_a_read_that_finds_a_hole_where_its_member_was_reads_it_where_it_moved(

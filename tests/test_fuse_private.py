@@ -23,8 +23,8 @@ import pytest
 from bucketfs import runtime
 from bucketfs.hints import location
 from bucketfs.private import UnsafePath, create_private_file, open_private_log, private_directory
+from tests.chunk_helpers import cache_files
 from tests.mounting import bucketfs, mounted, read_log, written_through
-from tests.test_chunks import cache_files
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]
 

@@ -19,8 +19,7 @@ from bucketfs.cache.schema import WRITE_THROUGH
 from bucketfs.prefetch.eviction import make_policy
 from bucketfs.prefetch.next_use import NextUse
 from bucketfs.prefetch.scheduler import PrefetchScheduler
-from tests.pages import resident_bytes
-from tests.test_chunks import (
+from tests.chunk_helpers import (
     LAYOUT_A,
     NS,
     KiB,
@@ -36,6 +35,7 @@ from tests.test_chunks import (
     pack,
     totals,
 )
+from tests.pages import resident_bytes
 
 
 def batch(blocks, cost: float = 0.01):
