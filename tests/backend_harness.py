@@ -112,12 +112,27 @@ class LocalHarness(Harness):
         return LocalBackend(self.root.parent / "no-such-directory")
 
 
-class S3Harness(Harness):
-    kind = "s3"
+class ServerHarness(Harness):
+    """A bucket on one of the test servers (SeaweedFS, fake-gcs-server), written through
+    the server's own client."""
 
-    def __init__(self, server: S3Server, bucket: str) -> None:
+    def __init__(self, server: S3Server | GcsServer, bucket: str) -> None:
         super().__init__(bucket)
         self.server = server
+
+    def put(self, key: str, data: bytes) -> None:
+        self.server.put(self.bucket, key, data)
+
+    def delete(self, key: str) -> None:
+        self.server.delete(self.bucket, key)
+
+    def missing_bucket(self) -> Backend:
+        return self.backend(bucket="no-such-bucket-" + uuid.uuid4().hex[:8])
+
+
+class S3Harness(ServerHarness):
+    kind = "s3"
+    server: S3Server
 
     def _make(self, bucket: str | None = None, env: dict[str, str] | None = None,
               **settings: Any) -> Backend:
@@ -127,40 +142,19 @@ class S3Harness(Harness):
                 bucket or self.bucket, BackendSettings(addressing_style="path", **settings)
             )
 
-    def put(self, key: str, data: bytes) -> None:
-        self.server.put(self.bucket, key, data)
-
-    def delete(self, key: str) -> None:
-        self.server.delete(self.bucket, key)
-
-    def missing_bucket(self) -> Backend:
-        return self.backend(bucket="no-such-bucket-" + uuid.uuid4().hex[:8])
-
     def path_of(self, key: str) -> str:
         return f"/{self.bucket}/{quote(key)}"
 
 
-class GcsHarness(Harness):
+class GcsHarness(ServerHarness):
     kind = "gcs"
-
-    def __init__(self, server: GcsServer, bucket: str) -> None:
-        super().__init__(bucket)
-        self.server = server
+    server: GcsServer
 
     def _make(self, bucket: str | None = None, endpoint_url: str | None = None,
               **settings: Any) -> Backend:
         emulator = {"STORAGE_EMULATOR_HOST": endpoint_url or self.server.endpoint}
         with mock.patch.dict(os.environ, emulator):
             return GcsBackend(bucket or self.bucket, BackendSettings(**settings))
-
-    def put(self, key: str, data: bytes) -> None:
-        self.server.put(self.bucket, key, data)
-
-    def delete(self, key: str) -> None:
-        self.server.delete(self.bucket, key)
-
-    def missing_bucket(self) -> Backend:
-        return self.backend(bucket="no-such-bucket-" + uuid.uuid4().hex[:8])
 
     def path_of(self, key: str) -> str:
         """What the path of a GET of `key` holds: obstore reads through the XML API,
