@@ -346,7 +346,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("origin", "connect_timeout", _seconds, 10.0,
            "seconds to wait for a connection", "10"),
     Option("origin", "read_timeout", _seconds, 30.0,
-           "seconds to wait for data on an open connection", "30"),
+           "seconds to wait for data on an open connection (a GET slower than 1 KiB/s "
+           "for that long is cut too, and retried)", "30"),
     Option("origin", "retry_attempts", _positive_int, 6,
            "attempts per request on throttling, 5xx, timeouts and dropped connections "
            "before the read fails with EIO", "6"),

@@ -218,6 +218,25 @@ def test_a_stalled_body_times_out_as_transient(server) -> None:
     client.close()
 
 
+def test_a_body_that_trickles_in_far_below_any_link_is_cut_as_transient(server) -> None:
+    """A server that sends a few bytes now and then (here ~100 B/s) is no slow link:
+    the GET is cut after about the read timeout, libcurl's speed over its last few
+    seconds being under MIN_SPEED, where a floor of one byte a second let this one run
+    for a quarter of an hour (a stalled body: the test above; a slow link's body is not
+    cut: test_curl_wakes)."""
+    endpoint, behaviour = server
+    behaviour.trickle, behaviour.pause = 10, 0.1
+    client = gets(endpoint, read_timeout=1)
+
+    async def get() -> object:
+        with trio.fail_after(20):
+            return await client.get_range("obj", VERSION, 0, 100_000)
+
+    with pytest.raises(TransientError, match="connection failed"):
+        trio.run(get)
+    client.close()
+
+
 def test_a_refused_connection_is_transient() -> None:
     client = gets("http://127.0.0.1:9")  # discard: nothing listens here
     with pytest.raises(TransientError, match="curl error 7"):

@@ -48,6 +48,13 @@ LARGE_BODY = 1024 * 1024
 #: kernel grows the socket's buffer to hold the mark (and caps the mark at half its
 #: largest, tcp_rmem's third value).
 WAKE_BYTES = 1024 * 1024
+#: A transfer slower than this many bytes a second for the whole read timeout is cut
+#: (CURLE_OPERATION_TIMEDOUT: a transient error, retried as a stall is). libcurl's
+#: check is of its speed over the last few seconds, so a server or proxy that sends a
+#: byte now and then is cut too, where a floor of one byte a second let it hold a
+#: reader for hours (a 100 KB file at 2 B/s: 14 h). Far below any live link's share of
+#: a connection (a 50 Mbit/s link split 32 ways gives each ~200 KB/s).
+MIN_SPEED = 1024
 _EPOLL_OF = {pycurl.POLL_IN: select.EPOLLIN, pycurl.POLL_OUT: select.EPOLLOUT,
              pycurl.POLL_INOUT: select.EPOLLIN | select.EPOLLOUT}
 
@@ -139,7 +146,7 @@ _TRANSFER_ENCODING = header_pattern("transfer-encoding")
 class CurlSettings:
     connections: int = 16
     connect_timeout: float = 10.0
-    #: A transfer that receives nothing for this long fails.
+    #: A transfer that receives nothing for this long, or under MIN_SPEED, fails.
     read_timeout: float = 30.0
     #: CA bundle for HTTPS (None: libcurl's default).
     ca_file: str | None = None
@@ -368,7 +375,7 @@ class TrioCurl:
         curl.setopt(pycurl.NOSIGNAL, 1)
         curl.setopt(pycurl.FAILONERROR, 1)  # a 4xx or 5xx is an error, its body unread
         curl.setopt(pycurl.CONNECTTIMEOUT_MS, int(settings.connect_timeout * 1000))
-        curl.setopt(pycurl.LOW_SPEED_LIMIT, 1)
+        curl.setopt(pycurl.LOW_SPEED_LIMIT, MIN_SPEED)
         curl.setopt(pycurl.LOW_SPEED_TIME, max(1, math.ceil(settings.read_timeout)))
         curl.setopt(pycurl.BUFFERSIZE, 512 * 1024)
         curl.setopt(pycurl.PROTOCOLS, pycurl.PROTO_HTTP | pycurl.PROTO_HTTPS)
