@@ -64,9 +64,6 @@ def totals(disk: DiskTier) -> tuple[int, int, int, int]:
     return disk.used, disk.chunks.count, disk.chunks.data_bytes, disk.chunks.live_bytes
 
 
-
-
 def allocated(path: Path) -> int:
     """Bytes of disk a file takes (holes take none)."""
     return path.stat().st_blocks * 512
-

@@ -84,6 +84,8 @@ def list_all(
     raise AssertionError("the listing did not end")
 
 
+# --- The buckets these tests read and change (their kinds: backend_harness.py) -------
+
 
 @dataclass
 class Populated:

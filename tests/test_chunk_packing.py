@@ -147,5 +147,3 @@ def test_shuffled_epochs_are_not_rewritten_and_a_repeated_order_is_laid_out_anew
         assert written[1] == written[0] > 0 and layouts[:2] == (layout_1, layout_1)
         assert count[0] == count[2] == count[3]
     assert backend.calls["get"] == 40
-
-

@@ -249,7 +249,6 @@ def test_emptied_chunks_are_reclaimed_and_a_layout_is_not_written_twice(tmp_path
     disk.close()
 
 
-
 @pytest.mark.parametrize("crashed", [False, True])
 def test_reopen_counts_the_same_after_a_clean_close_or_a_crash(tmp_path, crashed):
     directory = tmp_path / "cache"
