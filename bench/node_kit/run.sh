@@ -6,7 +6,8 @@
 #       2>&1 | tee $OUT/log.txt            # the `device` tool: carry [".kit"]
 #
 # STEP: smoke (a 200-file dataplane) | dataplane | gpu | placement | gets (the GET engine
-# against obstore, bench.large_gets). Results go to $OUT.
+# against obstore, bench.large_gets) | clones (more than one serving process on one FUSE
+# connection, bench.fuse_clones). Results go to $OUT.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -35,6 +36,7 @@ for step in "$@"; do
     gpu) timeout $(( left < ${GPU_LIMIT:-240} ? left : ${GPU_LIMIT:-240} )) $PY -m bench.gpu_epoch --images 16384 --epochs 2 --workers 12 --out "$OUT" ;;
     placement) timeout $left $PY -m bench.placement --files 4000 --rounds 1 --variants all,cpus4,cpus2 --out "$OUT" ;;
     gets) timeout $(( left < 120 ? left : 120 )) $PY -m bench.large_gets --mib 1024 --rounds 2 --out "$OUT" ;;
+    clones) timeout $(( left < 240 ? left : 240 )) $PY -m bench.fuse_clones --files 4000 --procs 1,2,4,8 --out "$OUT" ;;
   esac
   echo "=== $step rc=$? $(( $(date +%s) - s )) s"
 done

@@ -1,0 +1,255 @@
+"""What more than one serving process on one FUSE connection could give bucketfs:
+
+    python -m bench.fuse_clones [--files 2000] [--file-kb 100] [--readers 16]
+                                [--procs 1,2] [--out DIR]
+
+One event loop serves all of a bucketfs mount's requests under one GIL: at ~0.43 ms of
+it per cold file (docs/BENCHMARKS.md), one daemon serves at most ~2,300 cold files/s
+however many cores a node has. The kernel can hand one connection's requests to several
+processes, each reading its own clone of the connection's /dev/fuse descriptor; this
+measures, before bucketfs is built that way, what that gives and what a request costs
+when it is answered without pyfuse3, trio and bucketfs's layers:
+  - the GET client alone in this process (boto3, obstore, s3torchconnector: the
+    reference the issue names), READERS threads;
+  - bucketfs (RAM only): a cold pass, then a warm one from its RAM tier (page cache and
+    names dropped), the daemon's CPU per file;
+  - a minimal server of the benchmark's own (`bench/harness/raw_fuse.py`) with PROCS
+    processes each serving the same connection, for every count in --procs: a cold
+    pass (a GET per READ, no cache) and a pass from memory (names dropped), their CPU
+    per file (all of the server's processes) and files/s, how the kernel spread the
+    requests over the processes, and which requests it sent per file (harness/
+    fuse_census.py, where perf can count them).
+The readers are READERS threads doing open/read/close in a shuffled order, as in
+`bench.dataplane`; every file's length is checked, and a sample's bytes. Loopback
+SeaweedFS, unshaped. Needs root (mount(2), drop_caches). Results: JSON and a markdown
+table under --out (bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.dataplane import (
+    BUCKET,
+    GiB,
+    Mount,
+    clients,
+    drop_page_cache,
+    make_dataset,
+    parallel,
+    read_with_open,
+)
+from bench.harness import raw_fuse
+from bench.harness.fuse_census import Census
+from bench.harness.procstats import cpu_seconds, self_cpu, thread_switches
+from bench.harness.saving import save_results
+from tests.servers import S3Server
+
+PREFIX = "train"
+
+
+def write_table(server: S3Server, keys: list[str], directory: Path,
+                ) -> tuple[Path, dict[str, bytes]]:
+    """The tree under PREFIX as raw_fuse's table, and the bodies back to back in a file
+    in /dev/shm (memory the server processes map). Returns the table and the bodies."""
+    client = server.client()
+    bodies = {key: client.get_object(Bucket=BUCKET, Key=key)["Body"].read() for key in keys}
+    rows: list[list[Any]] = []
+    inode_of = {"": raw_fuse.ROOT}
+    for key in keys:
+        rel = key.removeprefix(f"{PREFIX}/")
+        parent = ""
+        for part in rel.split("/")[:-1]:
+            path = f"{parent}/{part}" if parent else part
+            if path not in inode_of:
+                rows.append([inode_of[parent], part, -1, ""])
+                inode_of[path] = raw_fuse.ROOT + len(rows)
+            parent = path
+        rows.append([inode_of[parent], rel.rsplit("/", 1)[-1], len(bodies[key]), key])
+        inode_of[rel] = raw_fuse.ROOT + len(rows)
+    # raw_fuse.MemoryBodies lays the files out by inode.
+    data = Path(tempfile.mkstemp(prefix="raw-fuse-bodies-", dir="/dev/shm")[1])
+    with open(data, "wb") as f:
+        for key in sorted(keys, key=lambda k: inode_of[k.removeprefix(f"{PREFIX}/")]):
+            f.write(bodies[key])
+    table = directory / "table.json"
+    table.write_text(json.dumps({
+        "rows": rows, "bodies": str(data),
+        "origin": {"endpoint": server.endpoint, "bucket": BUCKET, "region": server.region,
+                   "access_key": server.access_key, "secret_key": server.secret_key}}))
+    return table, bodies
+
+
+class RawMount:
+    """`procs` raw_fuse processes serving one connection mounted at `mountpoint`."""
+
+    def __init__(self, mountpoint: Path, table: Path, source: str, procs: int,
+                 threads: int) -> None:
+        self.mountpoint, self.table, self.source = mountpoint, table, source
+        self.procs, self.threads = procs, threads
+        self.servers: list[subprocess.Popen[bytes]] = []
+        self.stats = [mountpoint.with_name(f"{mountpoint.name}-{i}.json") for i in range(procs)]
+
+    def __enter__(self) -> RawMount:
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        fd = os.open("/dev/fuse", os.O_RDWR)
+        try:
+            raw_fuse.mount(fd, self.mountpoint)
+            for stats in self.stats:
+                self.servers.append(subprocess.Popen(
+                    [sys.executable, "-m", "bench.harness.raw_fuse", "--fd", str(fd),
+                     "--table", str(self.table), "--source", self.source,
+                     "--threads", str(self.threads), "--stats", str(stats)],
+                    pass_fds=(fd,)))
+        finally:
+            os.close(fd)  # the servers hold the connection now
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(self.mountpoint):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the raw server never answered")
+            time.sleep(0.05)
+        os.stat(self.mountpoint)
+        return self
+
+    @property
+    def pids(self) -> list[int]:
+        return [server.pid for server in self.servers]
+
+    def __exit__(self, *exc: object) -> None:
+        raw_fuse.unmount(self.mountpoint)
+        for server in self.servers:
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+    def spread(self) -> list[dict[str, int]]:
+        """The requests each process answered, by kind (after exit)."""
+        return [json.loads(stats.read_text()) if stats.exists() else {} for stats in self.stats]
+
+
+def server_use(pids: list[int]) -> tuple[float, int]:
+    """CPU seconds and voluntary context switches of the server's processes."""
+    return (sum(cpu_seconds(pid) for pid in pids),
+            sum(n for pid in pids for _, n in thread_switches(pid).values()))
+
+
+def timed_pass(mountpoint: Path, rels: list[str], readers: int, pids: list[int],
+               bodies: dict[str, bytes]) -> dict[str, Any]:
+    """One shuffled read of every file: the server's CPU and context switches and the
+    readers' CPU (this process: the FUSE requests' kernel work is charged here), per
+    file."""
+    drop_page_cache()
+    order = rels[:]
+    random.Random(len(order)).shuffle(order)
+    with Census(mountpoint) as census:
+        before, reader_before = server_use(pids), self_cpu()
+        total, wall = parallel(order, readers, lambda rel: read_with_open(mountpoint / rel))
+        after, reader_used = server_use(pids), self_cpu() - reader_before
+    expected = sum(len(bodies[f"{PREFIX}/{rel}"]) for rel in rels)
+    if total != expected:
+        raise RuntimeError(f"read {total} bytes of {expected}")
+    for rel in order[:: max(1, len(order) // 50)]:
+        if (mountpoint / rel).read_bytes() != bodies[f"{PREFIX}/{rel}"]:
+            raise RuntimeError(f"{rel}: wrong bytes")
+    used = after[0] - before[0]
+    return {"files": len(rels), "wall_s": wall, "files_per_s": len(rels) / wall,
+            "cpu_ms_per_file": 1000 * used / len(rels), "cpu_s_per_gib": used / (total / GiB),
+            "switches_per_file": (after[1] - before[1]) / len(rels),
+            "reader_cpu_ms_per_file": 1000 * reader_used / len(rels),
+            "requests_per_file": census.per_file(len(rels))}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},
+        "files": args.files, "file_kb": args.file_kb, "readers": args.readers}
+    with tempfile.TemporaryDirectory() as tmp, S3Server() as server:
+        keys, _ = make_dataset(server, args.files, args.file_kb, 0)
+        rels = [key.removeprefix(f"{PREFIX}/") for key in keys]
+        table, bodies = write_table(server, keys, Path(tmp))
+        try:
+            environment = dict(os.environ)
+            try:
+                results["clients"] = clients(server, keys, args.readers)
+            finally:  # s3torchconnector's credentials, for it alone
+                os.environ.clear()
+                os.environ.update(environment)
+            rows = []
+            with Mount(server, Path(tmp) / "bucketfs", []) as mount:
+                mount.list_tree(rels)
+                for name in ("cold", "warm, RAM tier"):
+                    rows.append({"server": "bucketfs (RAM only)", "pass": name, **timed_pass(
+                        mount.mountpoint, rels, args.readers, [mount.pid], bodies)})
+            for procs in args.procs:
+                threads = -(-args.readers // procs) + 1
+                for source, name in (("cold", "cold"), ("memory", "from memory")):
+                    where = Path(tmp) / f"raw-{source}-{procs}"
+                    with RawMount(where, table, source, procs, threads) as raw:
+                        if source == "memory":  # the mappings faulted in, as a warm tier's
+                            timed_pass(where, rels, args.readers, raw.pids, bodies)
+                        row = timed_pass(where, rels, args.readers, raw.pids, bodies)
+                    row["requests_by_process"] = [sum(s.values()) for s in raw.spread()]
+                    rows.append({"server": f"raw, {procs} process{'es' * (procs > 1)} "
+                                 f"x {threads} threads", "pass": name, **row})
+                    print(f"{rows[-1]['server']}, {name}: {row['files_per_s']:.0f} files/s, "
+                          f"{row['cpu_ms_per_file']:.3f} ms/file", flush=True)
+            results["rows"] = rows
+        finally:
+            Path(json.loads(table.read_text())["bodies"]).unlink(missing_ok=True)
+    return results
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [f"{results['files']} files of ~{results['file_kb']} KB, {results['readers']} "
+             f"readers, {results['machine']['cpus']} CPUs, Python "
+             f"{results['machine']['python']}", "",
+             "| reader | files/s | CPU ms per file |", "| --- | --- | --- |"]
+    lines += [f"| {c['client']} (in the reader) | {c['files_per_s']:,.0f} | "
+              f"{c['cpu_ms_per_file']:.3f} |" for c in results["clients"]]
+    lines += ["", "| server | pass | files/s | CPU ms per file: server / readers | "
+              "server's context switches per file | requests per file | requests each "
+              "process answered (the mount's life) |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in results["rows"]:
+        asked = ", ".join(f"{n:.2f} {kind}" for kind, n in
+                          sorted((row["requests_per_file"] or {}).items()) if n >= 0.01)
+        spread = " / ".join(f"{n:,}" for n in row.get("requests_by_process", [])) or "—"
+        lines.append(f"| {row['server']} | {row['pass']} | {row['files_per_s']:,.0f} | "
+                     f"{row['cpu_ms_per_file']:.3f} / {row['reader_cpu_ms_per_file']:.3f} | "
+                     f"{row['switches_per_file']:.1f} | {asked or '—'} | {spread} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", type=int, default=2000)
+    parser.add_argument("--file-kb", type=int, default=100)
+    parser.add_argument("--readers", type=int, default=16)
+    parser.add_argument("--procs", type=lambda s: [int(p) for p in s.split(",")],
+                        default=[1, 2])
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench.fuse_clones needs root (mount(2), drop_caches)", file=sys.stderr)
+        return 2
+    results = run(args)
+    text = report(results)
+    print(text)
+    save_results(args.out, "fuse_clones", results, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

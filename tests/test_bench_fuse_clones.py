@@ -1,0 +1,64 @@
+"""bench.fuse_clones runs end to end: bucketfs and its minimal server on SeaweedFS, the
+connection served by one and by two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from bench import fuse_clones
+from bench.harness import raw_fuse
+
+
+def test_two_processes_share_one_connection_and_every_pass_is_measured(tmp_path, capsys):
+    assert fuse_clones.main(["--files", "60", "--readers", "4", "--procs", "1,2",
+                             "--out", str(tmp_path)]) == 0
+    saved = json.loads(next(tmp_path.glob("fuse_clones-*.json")).read_text())
+    assert [c["client"] for c in saved["clients"]][:1] == ["boto3 get_object"]
+    rows = {(row["server"], row["pass"]): row for row in saved["rows"]}
+    assert set(rows) == {
+        ("bucketfs (RAM only)", "cold"), ("bucketfs (RAM only)", "warm, RAM tier"),
+        ("raw, 1 process x 5 threads", "cold"), ("raw, 1 process x 5 threads", "from memory"),
+        ("raw, 2 processes x 3 threads", "cold"),
+        ("raw, 2 processes x 3 threads", "from memory")}
+    for row in rows.values():
+        assert row["files"] == 60 and row["files_per_s"] > 0
+    # The kernel handed the one connection's requests to both processes.
+    for name in ("cold", "from memory"):
+        spread = rows[("raw, 2 processes x 3 threads", name)]["requests_by_process"]
+        assert len(spread) == 2 and min(spread) > 0, spread
+    assert "| raw, 2 processes x 3 threads | cold |" in capsys.readouterr().out
+    assert "AWS_ENDPOINT_URL" not in os.environ  # s3torchconnector's, for it alone
+
+
+@pytest.fixture
+def raw_mount(tmp_path):
+    table = tmp_path / "table.json"
+    bodies = tmp_path / "bodies"
+    bodies.write_bytes(b"abc" + b"0123456789")
+    table.write_text(json.dumps({"rows": [[1, "d", -1, ""], [2, "a", 3, "d/a"],
+                                          [2, "b", 10, "d/b"]],
+                                 "bodies": str(bodies), "origin": {}}))
+    with fuse_clones.RawMount(tmp_path / "mnt", table, "memory", 2, 2) as mount:
+        yield mount
+
+
+def test_the_minimal_server_serves_its_table_exactly(raw_mount):
+    where = raw_mount.mountpoint
+    assert (where / "d" / "a").read_bytes() == b"abc"
+    assert (where / "d" / "b").read_bytes() == b"0123456789"
+    with open(where / "d" / "b", "rb") as f:
+        f.seek(4)
+        assert f.read(3) == b"456"
+    assert sorted(os.stat(where / "d" / name).st_size for name in "ab") == [3, 10]
+    with pytest.raises(FileNotFoundError):
+        os.stat(where / "d" / "c")
+    with pytest.raises(OSError):  # read-only
+        os.open(where / "d" / "new", os.O_WRONLY | os.O_CREAT)
+
+
+def test_the_clone_ioctl_is_the_kernels():
+    # _IOR(229, 0, uint32_t), include/uapi/linux/fuse.h
+    assert raw_fuse.FUSE_DEV_IOC_CLONE == (2 << 30) | (4 << 16) | (229 << 8) | 0
