@@ -15,10 +15,12 @@ when it is answered without pyfuse3, trio and bucketfs's layers:
     names dropped), the daemon's CPU per file;
   - a minimal server of the benchmark's own (`bench/harness/raw_fuse.py`) with PROCS
     processes each serving the same connection, for every count in --procs: a cold
-    pass (a GET per READ, no cache) and a pass from memory (names dropped), their CPU
-    per file (all of the server's processes) and files/s, how the kernel spread the
-    requests over the processes, and which requests it sent per file (harness/
-    fuse_census.py, where perf can count them).
+    pass (a GET per READ, no cache); a pass from memory (names dropped); and a cache
+    split between the processes (`bench/harness/raw_shards.py`: each file kept by the
+    process that owns it, the others asking it over a Unix socket), cold and then
+    warm; their CPU per file (all of the server's processes) and files/s, how the
+    kernel spread the requests over the processes, and which requests it sent per file
+    (harness/fuse_census.py, where perf can count them).
 The readers are READERS threads doing open/read/close in a shuffled order, as in
 `bench.dataplane`; every file's length is checked, and a sample's bytes. Loopback
 SeaweedFS, unshaped. Needs root (mount(2), drop_caches). Results: JSON and a markdown
@@ -56,6 +58,13 @@ from bench.harness.saving import save_results
 from tests.servers import S3Server
 
 PREFIX = "train"
+#: Each source's passes, in order (None: a pass whose figures are not reported: it
+#: faults in the mappings that the next pass reads, as a warm tier has them).
+SOURCE_PASSES: dict[str, tuple[str | None, ...]] = {
+    "cold": ("cold, no cache",),
+    "memory": (None, "from memory"),
+    "owned": ("cold, each file kept by its owner", "warm, from its owner"),
+}
 
 
 def write_table(server: S3Server, keys: list[str], directory: Path,
@@ -95,6 +104,7 @@ class RawMount:
 
     def __init__(self, mountpoint: Path, table: Path, source: str, procs: int,
                  threads: int) -> None:
+        self.sockets = mountpoint.with_name(f"{mountpoint.name}-sockets")
         self.mountpoint, self.table, self.source = mountpoint, table, source
         self.procs, self.threads = procs, threads
         self.servers: list[subprocess.Popen[bytes]] = []
@@ -105,11 +115,14 @@ class RawMount:
         fd = os.open("/dev/fuse", os.O_RDWR)
         try:
             raw_fuse.mount(fd, self.mountpoint)
-            for stats in self.stats:
+            self.sockets.mkdir(mode=0o700, exist_ok=True)
+            for index, stats in enumerate(self.stats):
                 self.servers.append(subprocess.Popen(
                     [sys.executable, "-m", "bench.harness.raw_fuse", "--fd", str(fd),
                      "--table", str(self.table), "--source", self.source,
-                     "--threads", str(self.threads), "--stats", str(stats)],
+                     "--threads", str(self.threads), "--stats", str(stats),
+                     "--index", str(index), "--procs", str(self.procs),
+                     "--sockets", str(self.sockets)],
                     pass_fds=(fd,)))
         finally:
             os.close(fd)  # the servers hold the connection now
@@ -194,17 +207,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         mount.mountpoint, rels, args.readers, [mount.pid], bodies)})
             for procs in args.procs:
                 threads = -(-args.readers // procs) + 1
-                for source, name in (("cold", "cold"), ("memory", "from memory")):
+                server = f"raw, {procs} process{'es' * (procs > 1)} x {threads} threads"
+                for source in ("cold", "memory", "owned"):
                     where = Path(tmp) / f"raw-{source}-{procs}"
                     with RawMount(where, table, source, procs, threads) as raw:
-                        if source == "memory":  # the mappings faulted in, as a warm tier's
-                            timed_pass(where, rels, args.readers, raw.pids, bodies)
-                        row = timed_pass(where, rels, args.readers, raw.pids, bodies)
-                    row["requests_by_process"] = [sum(s.values()) for s in raw.spread()]
-                    rows.append({"server": f"raw, {procs} process{'es' * (procs > 1)} "
-                                 f"x {threads} threads", "pass": name, **row})
-                    print(f"{rows[-1]['server']}, {name}: {row['files_per_s']:.0f} files/s, "
-                          f"{row['cpu_ms_per_file']:.3f} ms/file", flush=True)
+                        passes = []
+                        for name in SOURCE_PASSES[source]:
+                            passes.append((name, timed_pass(
+                                where, rels, args.readers, raw.pids, bodies)))
+                    spread = [sum(s.values()) for s in raw.spread()]
+                    for name, row in passes:
+                        if name is None:  # a pass that only fills what the next reads
+                            continue
+                        rows.append({"server": server, "pass": name, **row,
+                                     "requests_by_process": spread})
+                        print(f"{server}, {name}: {row['files_per_s']:.0f} files/s, "
+                              f"{row['cpu_ms_per_file']:.3f} ms/file", flush=True)
             results["rows"] = rows
         finally:
             Path(json.loads(table.read_text())["bodies"]).unlink(missing_ok=True)

@@ -8,14 +8,17 @@ tasks or bucketfs's layers. It serves a fixed tree (a table the driver writes: n
 listing, no cache, no state shared between processes), answers what reading a file by
 its path needs (INIT, LOOKUP, GETATTR, READ, STATFS; OPEN and everything else with
 ENOSYS, so the kernel opens files itself as bucketfs's `kernel_opens` has it), and
-takes a READ's bytes from one of two sources:
+takes a READ's bytes from one of three sources:
   - `memory`: a tmpfs file of every body back to back, mapped in each process (the
     floor of a warm read from RAM);
   - `cold`: one ranged GET per READ through libcurl (pycurl, a kept-alive handle per
-    thread, SigV4-signed), no cache: the floor of a cold read.
+    thread, SigV4-signed), no cache: the floor of a cold read;
+  - `owned`: a cache split between the processes, each file kept by the one that owns
+    it and handed to the others over a Unix socket (raw_shards.py).
 
-A server process: `python -m bench.harness.raw_fuse --fd N --table F --source memory|cold
---threads T --stats F`, with the mount's descriptor N inherited; every thread blocks in
+A server process: `python -m bench.harness.raw_fuse --fd N --table F --source
+memory|cold|owned --threads T --stats F [--index I --procs P --sockets DIR]`, with the
+mount's descriptor N inherited; every thread blocks in
 `readv` on the process's clone (the kernel hands each request to one waiting reader) and
 answers on it, the GET with the GIL released. It exits when the connection ends
 (unmount: ENODEV), writing the requests it answered, by kind, to --stats.
@@ -35,10 +38,12 @@ import struct
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import pycurl
+
+from bench.harness.raw_shards import OwnedBodies
 
 #: _IOR(229, 0, uint32_t): a new descriptor reading the same connection.
 FUSE_DEV_IOC_CLONE = 0x8004E500
@@ -167,7 +172,11 @@ class CurlBodies:
         return body
 
 
-def serve(fd: int, tree: Tree, bodies: MemoryBodies | CurlBodies, counts: Counter[str]) -> None:
+class Bodies(Protocol):
+    def read(self, ino: int, offset: int, size: int) -> memoryview | bytes: ...
+
+
+def serve(fd: int, tree: Tree, bodies: Bodies, counts: Counter[str]) -> None:
     """Answer requests from `fd` until the connection ends."""
     buffer = bytearray(BUFFER)
     request = memoryview(buffer)
@@ -222,15 +231,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--table", type=Path, required=True)
-    parser.add_argument("--source", choices=("memory", "cold"), required=True)
+    parser.add_argument("--source", choices=("memory", "cold", "owned"), required=True)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--stats", type=Path, required=True)
+    parser.add_argument("--index", type=int, default=0, help="this process's (owned)")
+    parser.add_argument("--procs", type=int, default=1, help="processes serving (owned)")
+    parser.add_argument("--sockets", type=Path, help="where owners listen (owned)")
     args = parser.parse_args(argv)
     table = json.loads(args.table.read_text())
     tree = Tree(table["rows"])
-    bodies: MemoryBodies | CurlBodies = (
-        MemoryBodies(Path(table["bodies"]), tree) if args.source == "memory"
-        else CurlBodies(table["origin"], tree))
+    bodies: Bodies
+    if args.source == "memory":
+        bodies = MemoryBodies(Path(table["bodies"]), tree)
+    elif args.source == "cold":
+        bodies = CurlBodies(table["origin"], tree)
+    else:
+        bodies = OwnedBodies(tree, CurlBodies(table["origin"], tree), args.index,
+                             args.procs, args.sockets)
     fd = clone(args.fd)
     os.close(args.fd)
     counts: list[Counter[str]] = [Counter() for _ in range(args.threads)]
