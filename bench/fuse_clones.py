@@ -18,9 +18,12 @@ when it is answered without pyfuse3, trio and bucketfs's layers:
     pass (a GET per READ, no cache); a pass from memory (names dropped); and a cache
     split between the processes (`bench/harness/raw_shards.py`: each file kept by the
     process that owns it, the others asking it over a Unix socket), cold and then
-    warm; their CPU per file (all of the server's processes) and files/s, how the
-    kernel spread the requests over the processes, and which requests it sent per file
-    (harness/fuse_census.py, where perf can count them).
+    warm; and the pass from memory again through pyfuse3 in each process
+    (`bench/harness/pyfuse3_clone.py`: whether bucketfs's own stack can serve a clone,
+    and what libfuse's and pyfuse3's dispatch cost); their CPU per file (all of the
+    server's processes) and files/s, how the kernel spread the requests over the
+    processes, and which requests it sent per file (harness/fuse_census.py, where perf
+    can count them).
 The readers are READERS threads doing open/read/close in a shuffled order, as in
 `bench.dataplane`; every file's length is checked, and a sample's bytes. Loopback
 SeaweedFS, unshaped. Needs root (mount(2), drop_caches). Results: JSON and a markdown
@@ -30,6 +33,7 @@ table under --out (bench/results).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import platform
@@ -37,7 +41,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +67,15 @@ SOURCE_PASSES: dict[str, tuple[str | None, ...]] = {
     "cold": ("cold, no cache",),
     "memory": (None, "from memory"),
     "owned": ("cold, each file kept by its owner", "warm, from its owner"),
+    "pyfuse3": (None, "from memory, through pyfuse3"),
 }
+
+
+def server_name(source: str, procs: int, threads: int) -> str:
+    """A row's server: pyfuse3 (its own trio tasks) or raw_fuse (`threads` threads)."""
+    processes = f"{procs} process{'es' * (procs > 1)}"
+    return (f"pyfuse3, {processes}" if source == "pyfuse3"
+            else f"raw, {processes} x {threads} threads")
 
 
 def write_table(server: S3Server, keys: list[str], directory: Path,
@@ -112,26 +123,35 @@ class RawMount:
 
     def __enter__(self) -> RawMount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
+        self.sockets.mkdir(mode=0o700, exist_ok=True)
         fd = os.open("/dev/fuse", os.O_RDWR)
         try:
             raw_fuse.mount(fd, self.mountpoint)
-            self.sockets.mkdir(mode=0o700, exist_ok=True)
+            if self.source == "pyfuse3":  # each takes the INIT answered here
+                init = self.sockets / "init"
+                init.write_bytes(raw_fuse.answer_init(fd))
             for index, stats in enumerate(self.stats):
+                server = (["bench.harness.pyfuse3_clone", "--init", str(init)]
+                          if self.source == "pyfuse3" else
+                          ["bench.harness.raw_fuse", "--source", self.source,
+                           "--threads", str(self.threads), "--index", str(index),
+                           "--procs", str(self.procs), "--sockets", str(self.sockets)])
                 self.servers.append(subprocess.Popen(
-                    [sys.executable, "-m", "bench.harness.raw_fuse", "--fd", str(fd),
-                     "--table", str(self.table), "--source", self.source,
-                     "--threads", str(self.threads), "--stats", str(stats),
-                     "--index", str(index), "--procs", str(self.procs),
-                     "--sockets", str(self.sockets)],
+                    [sys.executable, "-m", *server, "--fd", str(fd),
+                     "--table", str(self.table), "--stats", str(stats)],
                     pass_fds=(fd,)))
+        except BaseException:
+            self.__exit__()
+            raise
         finally:
             os.close(fd)  # the servers hold the connection now
-        deadline = time.monotonic() + 30
-        while not os.path.ismount(self.mountpoint):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the raw server never answered")
-            time.sleep(0.05)
-        os.stat(self.mountpoint)
+        try:
+            # Answered once a server has taken INIT. Were every server gone, the
+            # connection would have ended with its last descriptor: ENOTCONN.
+            os.stat(self.mountpoint)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     @property
@@ -139,7 +159,11 @@ class RawMount:
         return [server.pid for server in self.servers]
 
     def __exit__(self, *exc: object) -> None:
-        raw_fuse.unmount(self.mountpoint)
+        try:
+            raw_fuse.unmount(self.mountpoint)
+        except OSError as error:
+            if error.errno != errno.EINVAL:  # EINVAL: never mounted
+                raise
         for server in self.servers:
             try:
                 server.wait(timeout=30)
@@ -207,8 +231,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         mount.mountpoint, rels, args.readers, [mount.pid], bodies)})
             for procs in args.procs:
                 threads = -(-args.readers // procs) + 1
-                server = f"raw, {procs} process{'es' * (procs > 1)} x {threads} threads"
-                for source in ("cold", "memory", "owned"):
+                for source in SOURCE_PASSES:
+                    server = server_name(source, procs, threads)
                     where = Path(tmp) / f"raw-{source}-{procs}"
                     with RawMount(where, table, source, procs, threads) as raw:
                         passes = []

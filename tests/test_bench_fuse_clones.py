@@ -18,34 +18,37 @@ def test_two_processes_share_one_connection_and_every_pass_is_measured(tmp_path,
     saved = json.loads(next(tmp_path.glob("fuse_clones-*.json")).read_text())
     assert [c["client"] for c in saved["clients"]][:1] == ["boto3 get_object"]
     rows = {(row["server"], row["pass"]): row for row in saved["rows"]}
-    passes = [name for names in fuse_clones.SOURCE_PASSES.values() for name in names if name]
+    passes = [(fuse_clones.server_name(source, procs, threads), name)
+              for procs, threads in ((1, 5), (2, 3))
+              for source, names in fuse_clones.SOURCE_PASSES.items() for name in names if name]
     assert set(rows) == {("bucketfs (RAM only)", "cold"),
-                         ("bucketfs (RAM only)", "warm, RAM tier")} | {
-        (server, name) for server in ("raw, 1 process x 5 threads",
-                                      "raw, 2 processes x 3 threads") for name in passes}
+                         ("bucketfs (RAM only)", "warm, RAM tier"), *passes}
+    assert ("pyfuse3, 2 processes", "from memory, through pyfuse3") in rows
     for row in rows.values():
         assert row["files"] == 60 and row["files_per_s"] > 0
     # The kernel handed the one connection's requests to both processes.
-    for name in passes:
-        spread = rows[("raw, 2 processes x 3 threads", name)]["requests_by_process"]
-        assert len(spread) == 2 and min(spread) > 0, spread
+    for server, name in passes:
+        spread = rows[(server, name)]["requests_by_process"]
+        assert len(spread) == (2 if "2 processes" in server else 1) and min(spread) > 0
     assert "| raw, 2 processes x 3 threads | cold, no cache |" in capsys.readouterr().out
     assert "AWS_ENDPOINT_URL" not in os.environ  # s3torchconnector's, for it alone
 
 
-@pytest.fixture
-def raw_mount(tmp_path):
+@pytest.fixture(params=["memory", "pyfuse3"])
+def raw_mount(tmp_path, request):
     table = tmp_path / "table.json"
     bodies = tmp_path / "bodies"
     bodies.write_bytes(b"abc" + b"0123456789")
     table.write_text(json.dumps({"rows": [[1, "d", -1, ""], [2, "a", 3, "d/a"],
                                           [2, "b", 10, "d/b"]],
                                  "bodies": str(bodies), "origin": {}}))
-    with fuse_clones.RawMount(tmp_path / "mnt", table, "memory", 2, 2) as mount:
+    with fuse_clones.RawMount(tmp_path / "mnt", table, request.param, 2, 2) as mount:
         yield mount
 
 
-def test_the_minimal_server_serves_its_table_exactly(raw_mount):
+def test_the_servers_serve_their_table_exactly(raw_mount):
+    """Two processes on one connection, raw or pyfuse3 (which takes an INIT answered
+    elsewhere: the patch's take_init)."""
     where = raw_mount.mountpoint
     assert (where / "d" / "a").read_bytes() == b"abc"
     assert (where / "d" / "b").read_bytes() == b"0123456789"
@@ -62,3 +65,13 @@ def test_the_minimal_server_serves_its_table_exactly(raw_mount):
 def test_the_clone_ioctl_is_the_kernels():
     # _IOR(229, 0, uint32_t), include/uapi/linux/fuse.h
     assert raw_fuse.FUSE_DEV_IOC_CLONE == (2 << 30) | (4 << 16) | (229 << 8) | 0
+
+
+def test_servers_that_never_start_give_an_error_and_leave_no_mount(tmp_path):
+    table = tmp_path / "table.json"
+    table.write_text("{}")  # no rows: every server fails as it starts
+    mount = fuse_clones.RawMount(tmp_path / "mnt", table, "memory", 2, 1)
+    with pytest.raises(OSError):
+        mount.__enter__()
+    assert not os.path.ismount(tmp_path / "mnt")
+    assert all(server.poll() is not None for server in mount.servers)

@@ -172,6 +172,24 @@ class CurlBodies:
         return body
 
 
+def init_reply(request: bytes | bytearray) -> bytes:
+    """The answer to the kernel's INIT: protocol 7.31's, which kernels from 5.9 take."""
+    unique = IN_HEADER.unpack_from(request)[2]
+    readahead = INIT_IN.unpack_from(request, IN_HEADER.size)[2]
+    body = INIT_OUT.pack(7, 31, readahead, INIT_FLAGS, 64, 48, 1 << 17, 1, 256, 0, 0)
+    return OUT_HEADER.pack(OUT_HEADER.size + len(body), 0, unique) + body
+
+
+def answer_init(fd: int) -> bytes:
+    """Read the connection's INIT from `fd` and answer it; returns the request under a
+    `unique` no request will have, for pyfuse3_clone's processes to take."""
+    request = os.read(fd, BUFFER)
+    if IN_HEADER.unpack_from(request)[1] != INIT:
+        raise RuntimeError("the connection's first request was not INIT")
+    os.write(fd, init_reply(request))
+    return request[:8] + struct.pack("<Q", 1 << 62) + request[16:]
+
+
 class Bodies(Protocol):
     def read(self, ino: int, offset: int, size: int) -> memoryview | bytes: ...
 
@@ -210,9 +228,7 @@ def serve(fd: int, tree: Tree, bodies: Bodies, counts: Counter[str]) -> None:
             elif opcode in NO_REPLY:
                 pass
             elif opcode == INIT:
-                _, _, readahead, _ = INIT_IN.unpack_from(buffer, IN_HEADER.size)
-                body = INIT_OUT.pack(7, 31, readahead, INIT_FLAGS, 64, 48, 1 << 17, 1, 256, 0, 0)
-                os.write(fd, reply(16 + len(body), 0, unique) + body)
+                os.write(fd, init_reply(buffer))
             elif opcode == STATFS:
                 os.write(fd, reply(16 + 80, 0, unique) + bytes(80))
             elif opcode == DESTROY:
@@ -220,10 +236,11 @@ def serve(fd: int, tree: Tree, bodies: Bodies, counts: Counter[str]) -> None:
                 return
             else:
                 os.write(fd, reply(16, -errno.ENOSYS, unique))
-        except OSError as error:
-            if error.errno == errno.ENODEV:
+        except Exception as error:  # a reader waits for every request's answer
+            code = error.errno if isinstance(error, OSError) else None
+            if code == errno.ENODEV:
                 return
-            if error.errno != errno.ENOENT:  # ENOENT: the request was interrupted
+            if code != errno.ENOENT:  # ENOENT: the request was interrupted
                 os.write(fd, reply(16, -errno.EIO, unique))
 
 

@@ -18,6 +18,11 @@ Why a patch (docs/ARCHITECTURE.md, "Libraries beyond the stack", has the figures
    reads; the worker threads (GETs, the SSD tier) run meanwhile.
 4. While requests are queued, a worker takes the next one at once (/dev/fuse made
    non-blocking), instead of a trio lock and a wait for readability per request.
+5. `take_init` gives a session an INIT that another process answered. A process serving
+   a clone of a connection's /dev/fuse descriptor (given to `init` as "/dev/fd/N")
+   never sees the kernel's INIT, and libfuse answers every request of a session that
+   has seen none with EIO. Used by `bench.fuse_clones` (pyfuse3 in more than one
+   process on one connection); bucketfs itself serves from one process.
 
 pyfuse3 ships no binary wheels, so every install compiles it from its sdist anyway; the
 patch adds a Cython run (pip fetches Cython as a build dependency). The sdist is pinned
@@ -38,7 +43,7 @@ from pathlib import Path
 
 VERSION = "3.5.0"
 #: `pyfuse3.BUCKETFS_PATCH` of a build with these hunks; raised whenever they change.
-PATCH_VERSION = 3
+PATCH_VERSION = 4
 SDIST_SHA256 = "88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24"
 
 #: (file in the sdist, exact text, replacement). Each text must occur exactly once.
@@ -105,6 +110,27 @@ HUNKS: tuple[tuple[str, str, str], ...] = (
      "                continue\n"
      "        else:\n"
      "            quick += 1\n"),
+    ("src/pyfuse3/__init__.pyx",
+     "\n\n@async_wrapper\nasync def main(int min_tasks=1, int max_tasks=99):\n",
+     "\n\ndef take_init(request):\n"
+     '    """Hand the session an INIT request that another process answered (a bucketfs\n'
+     "    patch): one serving a clone of the connection's /dev/fuse descriptor, given to\n"
+     '    init() as "/dev/fd/N", never receives the kernel\'s INIT, and libfuse answers\n'
+     "    every other request with EIO until it has seen one. libfuse's reply goes to the\n"
+     "    kernel under the request's `unique`, which no request in flight may have: the\n"
+     '    kernel refuses it (ENOENT), which libfuse takes for an interrupted request."""\n'
+     "    cdef fuse_buf buf\n"
+     "    cdef bytes data = bytes(request)\n"
+     "    if session == NULL:\n"
+     "        raise RuntimeError('Need to call init() before take_init()')\n"
+     "    buf.mem = <void*> <char*> data\n"
+     "    buf.size = len(data)\n"
+     "    buf.flags = 0\n"
+     "    buf.fd = -1\n"
+     "    buf.pos = 0\n"
+     "    save_retval(None)\n"
+     "    fuse_session_process_buf(session, &buf)\n"
+     "\n\n@async_wrapper\nasync def main(int min_tasks=1, int max_tasks=99):\n"),
 )
 
 
