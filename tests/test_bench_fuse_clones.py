@@ -11,6 +11,8 @@ import pytest
 from bench import fuse_clones
 from bench.harness import raw_fuse
 
+pytestmark = [pytest.mark.fuse, pytest.mark.root]  # mount(2), drop_caches
+
 
 def test_two_processes_share_one_connection_and_every_pass_is_measured(tmp_path, capsys):
     assert fuse_clones.main(["--files", "60", "--readers", "4", "--procs", "1,2",
