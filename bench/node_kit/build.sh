@@ -24,7 +24,7 @@ for pkg in trio outcome sniffio boto3 botocore s3transfer jmespath obstore pycur
            rocksdict s3torchconnectorclient google-cloud-storage google-api-core \
            google-auth google-cloud-core google-crc32c google-resumable-media \
            googleapis-common-protos proto-plus pyasn1 pyasn1_modules cryptography cffi \
-           pycparser; do
+           pycparser prometheus-client; do
   "$PY312" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp $PLATFORMS -d "$WORK/wheels" "$pkg==$(version "$pkg")"
 done
