@@ -55,14 +55,16 @@ NAMES = {1: "LOOKUP", 3: "GETATTR", 14: "OPEN", 15: "READ", 17: "STATFS", 25: "F
          26: "INIT", 27: "OPENDIR", 39: "IOCTL", 44: "READDIRPLUS"}
 NO_REPLY = {FORGET, INTERRUPT, BATCH_FORGET}
 
-IN_HEADER = struct.Struct("<IIQQIIIHH")
-OUT_HEADER = struct.Struct("<IiQ")
-ATTR = struct.Struct("<QQQQQQIIIIIIIIII")
-ENTRY_OUT = struct.Struct("<QQQQII")
-ATTR_OUT = struct.Struct("<QII")
-READ_IN = struct.Struct("<QQI")
-INIT_IN = struct.Struct("<IIII")
-INIT_OUT = struct.Struct("<IIIIHHIIHHI28x")  # 64 bytes, as from minor 23
+# The kernel's structs (include/uapi/linux/fuse.h); "head": the fields before those
+# that this server neither reads nor sends.
+IN_HEADER = struct.Struct("<IIQQIIIHH")  # fuse_in_header
+OUT_HEADER = struct.Struct("<IiQ")  # fuse_out_header
+ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr
+ENTRY_OUT = struct.Struct("<QQQQII")  # fuse_entry_out's head, its fuse_attr after
+ATTR_OUT = struct.Struct("<QII")  # fuse_attr_out's head, its fuse_attr after
+READ_IN = struct.Struct("<QQI")  # fuse_read_in's head: fh, offset, size
+INIT_IN = struct.Struct("<IIII")  # fuse_init_in's head
+INIT_OUT = struct.Struct("<IIIIHHIIHHI28x")  # fuse_init_out: 64 bytes, as from minor 23
 VALID_S = 3600
 
 # FUSE_ASYNC_READ | FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES: as libfuse asks for bucketfs.
