@@ -64,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest.mock
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -172,13 +173,14 @@ def clients(server: S3Server, keys: list[str], threads: int) -> list[dict[str, A
         pass
     try:
         from s3torchconnector._s3client import S3Client, S3ClientConfig
-        os.environ.update(server.env())  # its CRT client reads the credential chain
+    except ImportError:
+        return rows
+    # Its CRT client reads the credential chain; the environment is put back after.
+    with unittest.mock.patch.dict(os.environ, server.env()):
         s3t = S3Client(region=server.region, endpoint=server.endpoint,
                        s3client_config=S3ClientConfig(force_path_style=True))
         rows.append(measure_client("s3torchconnector get_object", keys, threads,
                                    lambda k: len(s3t.get_object(BUCKET, k).read())))
-    except ImportError:
-        pass
     return rows
 
 

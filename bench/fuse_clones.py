@@ -217,12 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rels = [key.removeprefix(f"{PREFIX}/") for key in keys]
         table, bodies = write_table(server, keys, Path(tmp))
         try:
-            environment = dict(os.environ)
-            try:
-                results["clients"] = clients(server, keys, args.readers)
-            finally:  # s3torchconnector's credentials, for it alone
-                os.environ.clear()
-                os.environ.update(environment)
+            results["clients"] = clients(server, keys, args.readers)
             rows = []
             with Mount(server, Path(tmp) / "bucketfs", []) as mount:
                 mount.list_tree(rels)

@@ -18,7 +18,6 @@ import argparse
 import errno
 import json
 import os
-import stat
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from bench.harness.raw_fuse import ROOT, VALID_S, MemoryBodies, Tree, clone
+from bench.harness.raw_fuse import ROOT, VALID_S, MemoryBodies, Tree, clone, kind
 
 
 class TreeOperations(pyfuse3.Operations):
@@ -46,8 +45,7 @@ class TreeOperations(pyfuse3.Operations):
     def _attributes(ino: int, size: int) -> pyfuse3.EntryAttributes:
         entry = pyfuse3.EntryAttributes()
         entry.st_ino = ino
-        entry.st_mode = stat.S_IFDIR | 0o755 if size < 0 else stat.S_IFREG | 0o444
-        entry.st_nlink = 2 if size < 0 else 1
+        entry.st_mode, entry.st_nlink = kind(size)
         entry.st_size = max(size, 0)
         entry.st_blksize = 4096
         entry.st_blocks = (entry.st_size + 511) // 512

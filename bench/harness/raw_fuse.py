@@ -94,11 +94,16 @@ def clone(master: int) -> int:
     return fd
 
 
+def kind(size: int) -> tuple[int, int]:
+    """Mode and link count of a table row: a directory where size is -1."""
+    return (stat.S_IFDIR | 0o755, 2) if size < 0 else (stat.S_IFREG | 0o444, 1)
+
+
 def attr(ino: int, size: int) -> bytes:
-    mode = stat.S_IFDIR | 0o755 if size < 0 else stat.S_IFREG | 0o444
+    mode, links = kind(size)
     size = max(size, 0)
-    return ATTR.pack(ino, size, (size + 511) // 512, 0, 0, 0, 0, 0, 0, mode,
-                     2 if size < 0 else 1, 0, 0, 0, 4096, 0)
+    return ATTR.pack(ino, size, (size + 511) // 512, 0, 0, 0, 0, 0, 0, mode, links, 0, 0, 0,
+                     4096, 0)
 
 
 class Tree:
