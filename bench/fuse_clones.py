@@ -1,7 +1,7 @@
 """What more than one serving process on one FUSE connection could give bucketfs:
 
     python -m bench.fuse_clones [--files 2000] [--file-kb 100] [--readers 16]
-                                [--procs 1,2] [--out DIR]
+                                [--procs 1,2] [--sources cold,...] [--out DIR]
 
 One event loop serves all of a bucketfs mount's requests under one GIL: at ~0.43 ms of
 it per cold file (docs/BENCHMARKS.md), one daemon serves at most ~2,300 cold files/s
@@ -20,10 +20,16 @@ when it is answered without pyfuse3, trio and bucketfs's layers:
     process that owns it, the others asking it over a Unix socket), cold and then
     warm; and the pass from memory again through pyfuse3 in each process
     (`bench/harness/pyfuse3_clone.py`: whether bucketfs's own stack can serve a clone,
-    and what libfuse's and pyfuse3's dispatch cost); their CPU per file (all of the
-    server's processes) and files/s, how the kernel spread the requests over the
-    processes, and which requests it sent per file (harness/fuse_census.py, where perf
-    can count them).
+    and what libfuse's and pyfuse3's dispatch cost);
+  - one pyfuse3 process dispatching every READ to the one of PROCS repliers that owns
+    the file, which replies itself on the shared descriptor (no clones, nothing handed
+    between processes; `bench/harness/dispatch_fuse.py`): cold, each file kept by its
+    replier, then warm; and from memory; with the dispatcher's own CPU per file, the
+    serial part;
+their CPU per file (all of the server's processes) and files/s, how the kernel spread
+the requests over the processes, and which requests it sent per file
+(harness/fuse_census.py, where perf can count them). `--sources` runs only some of the
+minimal servers.
 The readers are READERS threads doing open/read/close in a shuffled order, as in
 `bench.dataplane`; every file's length is checked, and a sample's bytes. Loopback
 SeaweedFS, unshaped. Needs root (mount(2), drop_caches). Results: JSON and a markdown
@@ -38,6 +44,7 @@ import json
 import os
 import platform
 import random
+import socket
 import subprocess
 import sys
 import tempfile
@@ -68,12 +75,16 @@ SOURCE_PASSES: dict[str, tuple[str | None, ...]] = {
     "memory": (None, "from memory"),
     "owned": ("cold, each file kept by its owner", "warm, from its owner"),
     "pyfuse3": (None, "from memory, through pyfuse3"),
+    "dispatch": ("cold, kept by its replier", "warm, from its replier"),
+    "dispatch-memory": (None, "from memory, dispatched"),
 }
 
 
 def server_name(source: str, procs: int, threads: int) -> str:
     """A row's server: pyfuse3 (its own trio tasks) or raw_fuse (`threads` threads)."""
     processes = f"{procs} process{'es' * (procs > 1)}"
+    if source.startswith("dispatch"):
+        return f"pyfuse3 dispatching to {procs} replier{'s' * (procs > 1)} x {threads} threads"
     return (f"pyfuse3, {processes}" if source == "pyfuse3"
             else f"raw, {processes} x {threads} threads")
 
@@ -111,7 +122,9 @@ def write_table(server: S3Server, keys: list[str], directory: Path,
 
 
 class RawMount:
-    """`procs` raw_fuse processes serving one connection mounted at `mountpoint`."""
+    """`procs` raw_fuse processes serving one connection mounted at `mountpoint` (each
+    its own clone), or for a "dispatch" source a pyfuse3 dispatcher and `procs`
+    repliers sharing the mount's descriptor (dispatch_fuse.py)."""
 
     def __init__(self, mountpoint: Path, table: Path, source: str, procs: int,
                  threads: int) -> None:
@@ -119,32 +132,26 @@ class RawMount:
         self.mountpoint, self.table, self.source = mountpoint, table, source
         self.procs, self.threads = procs, threads
         self.servers: list[subprocess.Popen[bytes]] = []
-        self.stats = [mountpoint.with_name(f"{mountpoint.name}-{i}.json") for i in range(procs)]
+        count = procs + source.startswith("dispatch")  # the dispatcher first
+        self.stats = [mountpoint.with_name(f"{mountpoint.name}-{i}.json") for i in range(count)]
 
     def __enter__(self) -> RawMount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self.sockets.mkdir(mode=0o700, exist_ok=True)
         fd = os.open("/dev/fuse", os.O_RDWR)
+        held = [fd]  # closed here once the servers have them
         try:
             raw_fuse.mount(fd, self.mountpoint)
-            if self.source == "pyfuse3":  # each takes the INIT answered here
-                init = self.sockets / "init"
-                init.write_bytes(raw_fuse.answer_init(fd))
-            for index, stats in enumerate(self.stats):
-                server = (["bench.harness.pyfuse3_clone", "--init", str(init)]
-                          if self.source == "pyfuse3" else
-                          ["bench.harness.raw_fuse", "--source", self.source,
-                           "--threads", str(self.threads), "--index", str(index),
-                           "--procs", str(self.procs), "--sockets", str(self.sockets)])
+            for server, fds in self._servers(fd, held):
                 self.servers.append(subprocess.Popen(
                     [sys.executable, "-m", *server, "--fd", str(fd),
-                     "--table", str(self.table), "--stats", str(stats)],
-                    pass_fds=(fd,)))
+                     "--table", str(self.table)], pass_fds=(fd, *fds)))
         except BaseException:
             self.__exit__()
             raise
         finally:
-            os.close(fd)  # the servers hold the connection now
+            for descriptor in held:  # the servers hold the connection now
+                os.close(descriptor)
         try:
             # Answered once a server has taken INIT. Were every server gone, the
             # connection would have ended with its last descriptor: ENOTCONN.
@@ -153,6 +160,34 @@ class RawMount:
             self.__exit__()
             raise
         return self
+
+    def _servers(self, fd: int, held: list[int]) -> list[tuple[list[str], tuple[int, ...]]]:
+        """Each server's module and arguments, and the descriptors it inherits beyond
+        the connection's; those made here are added to `held`."""
+        stats = [["--stats", str(path)] for path in self.stats]
+        init = self.sockets / "init"
+        if self.source == "pyfuse3" or self.source.startswith("dispatch"):
+            init.write_bytes(raw_fuse.answer_init(fd))  # each takes the INIT answered here
+        if self.source == "pyfuse3":
+            return [(["bench.harness.pyfuse3_clone", "--init", str(init), *s], ())
+                    for s in stats]
+        if self.source.startswith("dispatch"):
+            pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                     for _ in range(self.procs)]
+            ends = [(a.detach(), b.detach()) for a, b in pairs]
+            held += [end for pair in ends for end in pair]
+            source = "memory" if self.source == "dispatch-memory" else "kept"
+            dispatcher = (["bench.harness.dispatch_fuse", "dispatcher", "--init", str(init),
+                           "--jobs", ",".join(str(a) for a, _ in ends), *stats[0]],
+                          tuple(a for a, _ in ends))
+            return [dispatcher, *[
+                (["bench.harness.dispatch_fuse", "replier", "--jobs", str(b), "--source",
+                  source, "--threads", str(self.threads), *s], (b,))
+                for (_, b), s in zip(ends, stats[1:], strict=True)]]
+        return [(["bench.harness.raw_fuse", "--source", self.source, "--threads",
+                  str(self.threads), "--index", str(index), "--procs", str(self.procs),
+                  "--sockets", str(self.sockets), *s], ())
+                for index, s in enumerate(stats)]
 
     @property
     def pids(self) -> list[int]:
@@ -182,17 +217,19 @@ def server_use(pids: list[int]) -> tuple[float, int]:
 
 
 def timed_pass(mountpoint: Path, rels: list[str], readers: int, pids: list[int],
-               bodies: dict[str, bytes]) -> dict[str, Any]:
+               bodies: dict[str, bytes], lead: int | None = None) -> dict[str, Any]:
     """One shuffled read of every file: the server's CPU and context switches and the
     readers' CPU (this process: the FUSE requests' kernel work is charged here), per
-    file."""
+    file; and the CPU of process `lead` alone (a dispatcher: the serial part)."""
     drop_page_cache()
     order = rels[:]
     random.Random(len(order)).shuffle(order)
     with Census(mountpoint) as census:
         before, reader_before = server_use(pids), self_cpu()
+        lead_before = cpu_seconds(lead) if lead else 0.0
         total, wall = parallel(order, readers, lambda rel: read_with_open(mountpoint / rel))
         after, reader_used = server_use(pids), self_cpu() - reader_before
+        lead_used = cpu_seconds(lead) - lead_before if lead else None
     expected = sum(len(bodies[f"{PREFIX}/{rel}"]) for rel in rels)
     if total != expected:
         raise RuntimeError(f"read {total} bytes of {expected}")
@@ -204,6 +241,7 @@ def timed_pass(mountpoint: Path, rels: list[str], readers: int, pids: list[int],
             "cpu_ms_per_file": 1000 * used / len(rels), "cpu_s_per_gib": used / (total / GiB),
             "switches_per_file": (after[1] - before[1]) / len(rels),
             "reader_cpu_ms_per_file": 1000 * reader_used / len(rels),
+            "lead_cpu_ms_per_file": None if lead_used is None else 1000 * lead_used / len(rels),
             "requests_per_file": census.per_file(len(rels))}
 
 
@@ -226,14 +264,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         mount.mountpoint, rels, args.readers, [mount.pid], bodies)})
             for procs in args.procs:
                 threads = -(-args.readers // procs) + 1
-                for source in SOURCE_PASSES:
+                for source in args.sources:
                     server = server_name(source, procs, threads)
                     where = Path(tmp) / f"raw-{source}-{procs}"
                     with RawMount(where, table, source, procs, threads) as raw:
                         passes = []
                         for name in SOURCE_PASSES[source]:
                             passes.append((name, timed_pass(
-                                where, rels, args.readers, raw.pids, bodies)))
+                                where, rels, args.readers, raw.pids, bodies,
+                                raw.pids[0] if source.startswith("dispatch") else None)))
                     spread = [sum(s.values()) for s in raw.spread()]
                     for name, row in passes:
                         if name is None:  # a pass that only fills what the next reads
@@ -248,6 +287,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def ceiling(ms_per_file: float) -> str:
+    """Files/s that a serial part of `ms_per_file` allows ("—" below the clock's tick)."""
+    return f"{1000 / ms_per_file:,.0f}" if ms_per_file > 0 else "—"
+
+
 def report(results: dict[str, Any]) -> str:
     lines = [f"{results['files']} files of ~{results['file_kb']} KB, {results['readers']} "
              f"readers, {results['machine']['cpus']} CPUs, Python "
@@ -259,13 +303,24 @@ def report(results: dict[str, Any]) -> str:
               "server's context switches per file | requests per file | requests each "
               "process answered (the mount's life) |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
+    lead = []
     for row in results["rows"]:
+        if row.get("lead_cpu_ms_per_file") is not None:
+            lead.append(f"| {row['server']} | {row['pass']} | {row['files_per_s']:,.0f} | "
+                        f"{row['lead_cpu_ms_per_file']:.3f} | {row['cpu_ms_per_file']:.3f} | "
+                        f"{ceiling(row['lead_cpu_ms_per_file'])} |")
         asked = ", ".join(f"{n:.2f} {kind}" for kind, n in
                           sorted((row["requests_per_file"] or {}).items()) if n >= 0.01)
         spread = " / ".join(f"{n:,}" for n in row.get("requests_by_process", [])) or "—"
         lines.append(f"| {row['server']} | {row['pass']} | {row['files_per_s']:,.0f} | "
                      f"{row['cpu_ms_per_file']:.3f} / {row['reader_cpu_ms_per_file']:.3f} | "
                      f"{row['switches_per_file']:.1f} | {asked or '—'} | {spread} |")
+    if lead:
+        lines += ["", "The dispatcher's CPU per file is the serial part: one mount's ceiling "
+                  "of files/s on enough cores.", "",
+                  "| server | pass | files/s | dispatcher's CPU ms per file | all of the "
+                  "server's | files/s at the dispatcher's ceiling |",
+                  "| --- | --- | --- | --- | --- | --- |", *lead]
     return "\n".join(lines) + "\n"
 
 
@@ -276,8 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readers", type=int, default=16)
     parser.add_argument("--procs", type=lambda s: [int(p) for p in s.split(",")],
                         default=[1, 2])
+    parser.add_argument("--sources", type=lambda s: s.split(","), default=list(SOURCE_PASSES),
+                        help=f"the minimal servers' (default all: {','.join(SOURCE_PASSES)})")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
+    if unknown := set(args.sources) - set(SOURCE_PASSES):
+        parser.error(f"unknown sources: {', '.join(sorted(unknown))}")
     if os.geteuid() != 0:
         print("bench.fuse_clones needs root (mount(2), drop_caches)", file=sys.stderr)
         return 2

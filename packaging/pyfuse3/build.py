@@ -23,6 +23,12 @@ Why a patch (docs/ARCHITECTURE.md, "Libraries beyond the stack", has the figures
    never sees the kernel's INIT, and libfuse answers every request of a session that
    has seen none with EIO. Used by `bench.fuse_clones` (pyfuse3 in more than one
    process on one connection); bucketfs itself serves from one process.
+6. A read may be answered by another process. An `Operations` with `read_unique` set
+   gets each READ's `unique` (from the request's header) as a fourth argument to
+   `read`, and may return `REPLIED_ELSEWHERE` once some process sharing the session's
+   /dev/fuse descriptor has written the reply under that `unique`; libfuse then frees
+   the request and sends nothing. Used by `bench.fuse_clones` (one process dispatching
+   reads to others that hold the bytes); bucketfs itself answers its own reads.
 
 pyfuse3 ships no binary wheels, so every install compiles it from its sdist anyway; the
 patch adds a Cython run (pip fetches Cython as a build dependency). The sdist is pinned
@@ -43,7 +49,7 @@ from pathlib import Path
 
 VERSION = "3.5.0"
 #: `pyfuse3.BUCKETFS_PATCH` of a build with these hunks; raised whenever they change.
-PATCH_VERSION = 4
+PATCH_VERSION = 5
 SDIST_SHA256 = "88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24"
 
 #: (file in the sdist, exact text, replacement). Each text must occur exactly once.
@@ -52,10 +58,24 @@ HUNKS: tuple[tuple[str, str, str], ...] = (
      'log = logging.getLogger("pyfuse3")\n',
      "#: Patched for bucketfs (packaging/pyfuse3/build.py): `read` gets the inode as its\n"
      "#: fh when no OPEN preceded it, and `Operations.max_background` is honoured.\n"
-     f"BUCKETFS_PATCH = {PATCH_VERSION}\n\n"
+     f"BUCKETFS_PATCH = {PATCH_VERSION}\n"
+     "#: What a `read` returns when another process wrote its reply (hunk 6).\n"
+     "REPLIED_ELSEWHERE = object()\n\n"
      'log = logging.getLogger("pyfuse3")\n'),
+    ("src/pyfuse3/__init__.pyx",
+     "cdef object py_retval\n",
+     "cdef object py_retval\n"
+     "# The `unique` of the request being processed, read from its header as it is\n"
+     "# received, and whether `Operations.read` takes it (`read_unique`).\n"
+     "cdef uint64_t current_unique = 0\n"
+     "cdef int read_unique = 0\n"),
+    ("src/pyfuse3/handlers.pxi",
+     "    cdef uint64_t fh\n\ncdef void fuse_init",
+     "    cdef uint64_t fh\n    cdef uint64_t unique\n\ncdef void fuse_init"),
     ("src/pyfuse3/handlers.pxi",
      "    # Blocking rather than async, in case we decide to let the\n",
+     "    global read_unique\n"
+     "    read_unique = 1 if getattr(operations, 'read_unique', False) else 0\n"
      "    # Read-ahead requests the kernel keeps in flight (its default is 12).\n"
      "    max_background = getattr(operations, 'max_background', 0)\n"
      "    if max_background:\n"
@@ -68,7 +88,19 @@ HUNKS: tuple[tuple[str, str, str], ...] = (
      "    # No OPEN preceded this read (open raised ENOSYS: FUSE no_open), so the kernel\n"
      "    # sends fh 0; the inode stands in for it, so that the handler knows the file.\n"
      "    c.fh = fi.fh if fi.fh != 0 else ino\n"
+     "    c.unique = current_unique\n"
      "    save_retval(fuse_read_async(c))\n"),
+    ("src/pyfuse3/handlers.pxi",
+     "        buf = await operations.read(c.fh, c.off, c.size)\n",
+     "        if read_unique:\n"
+     "            buf = await operations.read(c.fh, c.off, c.size, c.unique)\n"
+     "            if buf is REPLIED_ELSEWHERE:\n"
+     "                # Another process sharing the descriptor wrote the reply under\n"
+     "                # c.unique: free the request, send nothing.\n"
+     "                fuse_reply_none(c.req)\n"
+     "                return\n"
+     "        else:\n"
+     "            buf = await operations.read(c.fh, c.off, c.size)\n"),
     ("src/pyfuse3/handlers.pxi",
      "        ret = fuse_reply_buf(c.req, <const_char*> pybuf.buf, <size_t> pybuf.len)\n"
      "        PyBuffer_Release(&pybuf)\n",
@@ -110,6 +142,21 @@ HUNKS: tuple[tuple[str, str, str], ...] = (
      "                continue\n"
      "        else:\n"
      "            quick += 1\n"),
+    ("src/pyfuse3/internal.pxi",
+     "        save_retval(None)\n"
+     "        fuse_session_process_buf(session, &buf)\n",
+     "        # The request's `unique` (fuse_in_header: len, opcode, then unique), which\n"
+     "        # fuse_read hands to a read that another process may answer (hunk 6).\n"
+     "        if not buf.flags & FUSE_BUF_IS_FD:\n"
+     "            set_current_unique((<uint64_t*> (<char*> buf.mem + 8))[0])\n"
+     "        save_retval(None)\n"
+     "        fuse_session_process_buf(session, &buf)\n"),
+    ("src/pyfuse3/internal.pxi",
+     "cdef void save_retval(object val):\n",
+     "cdef void set_current_unique(uint64_t unique):\n"
+     "    global current_unique\n"
+     "    current_unique = unique\n\n\n"
+     "cdef void save_retval(object val):\n"),
     ("src/pyfuse3/__init__.pyx",
      "\n\n@async_wrapper\nasync def main(int min_tasks=1, int max_tasks=99):\n",
      "\n\ndef take_init(request):\n"

@@ -1,0 +1,157 @@
+"""One pyfuse3 process dispatching a connection's reads to others that hold the bytes,
+for `bench.fuse_clones`: the other shape of more than one serving process.
+
+Serving from clones (raw_fuse.py) makes every process able to answer any request, so
+they must share the namespace and hand each other blocks. Here one process, pyfuse3 in
+trio as bucketfs's daemon is, reads every request and answers the names itself
+(pyfuse3_clone.TreeOperations); a READ it passes to the process that owns the file
+(its inode modulo the count), as a 28-byte job over a socket, and returns at once
+(`pyfuse3.REPLIED_ELSEWHERE`, a hunk of packaging/pyfuse3/build.py, which also gives
+`read` the request's `unique`). The owner, holding the same /dev/fuse descriptor (the
+same open file, so the kernel matches its reply to the request), writes the reply
+itself. No process hands bytes to another, and the dispatcher's CPU per file is the
+serial part: a mount's ceiling of files/s on any number of cores.
+
+    python -m bench.harness.dispatch_fuse dispatcher --fd N --table F --init F
+                                          --jobs J1,J2,... --stats F
+    python -m bench.harness.dispatch_fuse replier --fd N --table F --jobs J
+                                          --source memory|kept --threads T --stats F
+
+A replier's threads each take a job (one datagram of a SOCK_SEQPACKET socket goes to
+one of them), read the bytes (`memory`: raw_fuse.MemoryBodies; `kept`: the whole file
+by one ranged GET through libcurl the first time, then from what it kept) and write
+the reply, the GIL released in the GET and the write. Both exit when the connection
+ends; a replier also when the dispatcher's end of its socket closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import socket
+import struct
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from bench.harness.pyfuse3_clone import TreeOperations
+from bench.harness.raw_fuse import OUT_HEADER, Bodies, CurlBodies, MemoryBodies, Tree
+
+JOB = struct.Struct("<QQQI")  # unique, inode, offset, size
+
+
+class DispatchingOperations(TreeOperations):
+    """TreeOperations whose reads go to their owners: `jobs[inode % len(jobs)]`."""
+
+    read_unique = True  # pyfuse3 passes each READ's unique (hunk 6)
+
+    def __init__(self, tree: Tree, jobs: list[socket.socket]) -> None:
+        super().__init__(tree, bodies=None)  # type: ignore[arg-type]
+        self.jobs = jobs
+        for job in jobs:
+            job.setblocking(False)
+
+    async def read(self, fh: int, off: int, size: int, unique: int = 0) -> Any:
+        self.counts["READ"] += 1
+        job = self.jobs[fh % len(self.jobs)]  # fh: the inode (no OPEN preceded)
+        message = JOB.pack(unique, fh, off, size)
+        while True:
+            try:
+                job.send(message)
+                return pyfuse3.REPLIED_ELSEWHERE
+            except BlockingIOError:  # the owner is behind: wait for room
+                await trio.lowlevel.wait_writable(job)
+
+
+class KeptBodies:
+    """Each file fetched whole by one GET the first time it is read, then kept. Only its
+    owner is asked for it, so nothing is handed between processes; two threads reading
+    one cold file at once may both fetch it (a GET more, nothing else)."""
+
+    def __init__(self, fetch: CurlBodies, tree: Tree) -> None:
+        self.fetch, self.tree = fetch, tree
+        self.kept: dict[int, bytes] = {}
+
+    def read(self, ino: int, offset: int, size: int) -> memoryview:
+        body = self.kept.get(ino)
+        if body is None:
+            body = self.kept[ino] = bytes(self.fetch.read(ino, 0, self.tree.size[ino]))
+        return memoryview(body)[offset:min(offset + size, len(body))]
+
+
+def reply_to_jobs(fd: int, job: socket.socket, bodies: Bodies, counts: Counter[str]) -> None:
+    """Answer the jobs that come to this thread until the dispatcher goes."""
+    while True:
+        message = job.recv(JOB.size)
+        if not message:  # the dispatcher closed its end
+            return
+        unique, ino, offset, size = JOB.unpack(message)
+        counts["READ"] += 1
+        try:
+            data = bodies.read(ino, offset, size)
+            os.writev(fd, [OUT_HEADER.pack(OUT_HEADER.size + len(data), 0, unique), data])
+        except OSError as error:
+            if error.errno == errno.ENODEV:  # unmounted
+                return
+            if error.errno == errno.ENOENT:  # the request was interrupted
+                continue
+            os.write(fd, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO, unique))
+
+
+def replier(args: argparse.Namespace, table: dict[str, Any], tree: Tree) -> Counter[str]:
+    bodies: Bodies = (MemoryBodies(Path(table["bodies"]), tree) if args.source == "memory"
+                      else KeptBodies(CurlBodies(table["origin"], tree), tree))
+    (job_fd,) = args.jobs
+    job = socket.socket(fileno=job_fd)
+    counts: list[Counter[str]] = [Counter() for _ in range(args.threads)]
+    threads = [threading.Thread(target=reply_to_jobs, args=(args.fd, job, bodies, c),
+                                daemon=True) for c in counts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(counts, Counter())
+
+
+def dispatcher(args: argparse.Namespace, tree: Tree) -> Counter[str]:
+    jobs = [socket.socket(fileno=fd) for fd in args.jobs]
+    operations = DispatchingOperations(tree, jobs)
+    pyfuse3.init(operations, f"/dev/fd/{args.fd}", set())
+    pyfuse3.take_init(args.init.read_bytes())
+    try:
+        trio.run(pyfuse3.main, args.tasks, args.tasks)
+    finally:
+        for job in jobs:  # the repliers see their socket end and exit
+            job.close()
+    return operations.counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("role", choices=("dispatcher", "replier"))
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--table", type=Path, required=True)
+    parser.add_argument("--jobs", type=lambda s: [int(fd) for fd in s.split(",")],
+                        required=True)
+    parser.add_argument("--stats", type=Path, required=True)
+    parser.add_argument("--init", type=Path, help="the INIT answered (dispatcher)")
+    parser.add_argument("--tasks", type=int, default=16, help="pyfuse3's (dispatcher)")
+    parser.add_argument("--source", choices=("memory", "kept"), default="kept")
+    parser.add_argument("--threads", type=int, default=8, help="(replier)")
+    args = parser.parse_args(argv)
+    table = json.loads(args.table.read_text())
+    tree = Tree(table["rows"])
+    counts = (dispatcher(args, tree) if args.role == "dispatcher"
+              else replier(args, table, tree))
+    args.stats.write_text(json.dumps(counts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
