@@ -3,8 +3,11 @@ connection served by one and by two processes."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import signal
+import threading
 
 import pytest
 
@@ -88,3 +91,41 @@ def test_servers_that_never_start_give_an_error_and_leave_no_mount(tmp_path):
         mount.__enter__()
     assert not os.path.ismount(tmp_path / "mnt")
     assert all(server.poll() is not None for server in mount.servers)
+
+
+def test_a_replier_that_dies_fails_its_reads_and_nothing_else(tmp_path):
+    """A read handed to a replier that dies is answered EIO, not left waiting; so are
+    later reads of its files; the other replier's files and the names are served."""
+    table = tmp_path / "table.json"
+    bodies = tmp_path / "bodies"
+    bodies.write_bytes(b"abc" + b"0123456789" + b"wxyz" + b"pq")  # inodes 3, 4, 5, 6
+    table.write_text(json.dumps({"rows": [[1, "d", -1, ""], [2, "a", 3, "d/a"],
+                                          [2, "b", 10, "d/b"], [2, "c", 4, "d/c"],
+                                          [2, "e", 2, "d/e"]],
+                                 "bodies": str(bodies), "origin": {}}))
+    with fuse_clones.RawMount(tmp_path / "mnt", table, "dispatch-memory", 2, 2) as mount:
+        where = mount.mountpoint / "d"
+        assert (where / "b").read_bytes() == b"0123456789"  # replier 0: inodes 4, 6
+        lost = mount.servers[2]  # after the dispatcher, replier 1: inodes 3 and 5
+        os.kill(lost.pid, signal.SIGSTOP)
+        outcome: dict[str, object] = {}
+
+        def read_c() -> None:
+            try:
+                outcome["bytes"] = (where / "c").read_bytes()
+            except OSError as error:
+                outcome["errno"] = error.errno
+
+        reader = threading.Thread(target=read_c)
+        reader.start()
+        reader.join(1.0)
+        assert reader.is_alive()  # its read waits on the stopped replier
+        os.kill(lost.pid, signal.SIGKILL)
+        reader.join(10.0)
+        assert not reader.is_alive() and outcome == {"errno": errno.EIO}
+        with pytest.raises(OSError) as later:
+            (where / "a").read_bytes()
+        assert later.value.errno == errno.EIO
+        assert (where / "e").read_bytes() == b"pq"
+        assert os.stat(where / "a").st_size == 3
+    assert mount.spread()[0]["REPLIER_LOST"] == 1

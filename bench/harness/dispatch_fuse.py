@@ -21,17 +21,21 @@ A replier's threads each take a job (one datagram of a SOCK_SEQPACKET socket goe
 one of them), read the bytes (`memory`: raw_fuse.MemoryBodies; `kept`: the whole file
 by one ranged GET through libcurl the first time, then from what it kept) and write
 the reply, the GIL released in the GET and the write. Both exit when the connection
-ends; a replier also when the dispatcher's end of its socket closes.
+ends; a replier also when the dispatcher's end of its socket closes. Should a replier
+die, the reads waiting on it are answered EIO, and so are later reads of its files
+(DispatchingOperations says how).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import errno
 import json
 import os
 import socket
 import struct
+import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -44,29 +48,70 @@ from bench.harness.pyfuse3_clone import TreeOperations
 from bench.harness.raw_fuse import OUT_HEADER, Bodies, CurlBodies, MemoryBodies, Tree
 
 JOB = struct.Struct("<QQQI")  # unique, inode, offset, size
+#: Reads handed to a replier that are answered EIO if it dies: far more than can be in
+#: flight (the kernel's background reads plus one per reading thread).
+RECENT = 65536
 
 
 class DispatchingOperations(TreeOperations):
-    """TreeOperations whose reads go to their owners: `jobs[inode % len(jobs)]`."""
+    """TreeOperations whose reads go to their owners: `jobs[inode % len(jobs)]`.
+
+    A read handed to a replier must be answered even if the replier dies, or its reader
+    waits forever. Repliers send nothing back (an acknowledgement per read would cost the
+    dispatcher a wakeup each); instead the dispatcher remembers the `unique` of the
+    last RECENT reads it handed each replier, and when one dies (its socket's end
+    closes) answers all of them EIO on the connection. The kernel never reuses a
+    `unique` on a connection and refuses a reply to one already answered (ENOENT), so
+    only the reads still waiting get the error. Later reads of that replier's files fail
+    at once; everything else goes on."""
 
     read_unique = True  # pyfuse3 passes each READ's unique (hunk 6)
 
-    def __init__(self, tree: Tree, jobs: list[socket.socket]) -> None:
+    def __init__(self, tree: Tree, jobs: list[socket.socket], fd: int) -> None:
         super().__init__(tree, bodies=None)  # type: ignore[arg-type]
-        self.jobs = jobs
+        self.jobs, self.fd = jobs, fd
+        self.recent = [collections.deque[int](maxlen=RECENT) for _ in jobs]
+        self.alive = [True] * len(jobs)
         for job in jobs:
             job.setblocking(False)
 
     async def read(self, fh: int, off: int, size: int, unique: int = 0) -> Any:
         self.counts["READ"] += 1
-        job = self.jobs[fh % len(self.jobs)]  # fh: the inode (no OPEN preceded)
+        owner = fh % len(self.jobs)  # fh: the inode (no OPEN preceded)
         message = JOB.pack(unique, fh, off, size)
-        while True:
+        while self.alive[owner]:
             try:
-                job.send(message)
-                return pyfuse3.REPLIED_ELSEWHERE
+                self.jobs[owner].send(message)
             except BlockingIOError:  # the owner is behind: wait for room
-                await trio.lowlevel.wait_writable(job)
+                await trio.lowlevel.wait_writable(self.jobs[owner])
+                continue
+            except OSError:  # it died (EPIPE) before its end was seen to close
+                self._gone(owner)
+                break
+            self.recent[owner].append(unique)
+            return pyfuse3.REPLIED_ELSEWHERE
+        raise pyfuse3.FUSEError(errno.EIO)
+
+    async def watch(self, owner: int) -> None:
+        """Wait for replier `owner`'s end to close (it sends nothing otherwise)."""
+        await trio.lowlevel.wait_readable(self.jobs[owner])
+        self._gone(owner)
+
+    def _gone(self, owner: int) -> None:
+        if not self.alive[owner]:
+            return
+        self.alive[owner] = False
+        self.counts["REPLIER_LOST"] += 1
+        answered = 0
+        for unique in self.recent[owner]:
+            try:
+                os.write(self.fd, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO, unique))
+                answered += 1
+            except OSError as error:
+                if error.errno != errno.ENOENT:  # ENOENT: answered already
+                    raise
+        print(f"replier {owner} went away: {answered} reads waiting on it answered EIO, "
+              "its files' reads fail from now on", file=sys.stderr, flush=True)
 
 
 class KeptBodies:
@@ -121,11 +166,19 @@ def replier(args: argparse.Namespace, table: dict[str, Any], tree: Tree) -> Coun
 
 def dispatcher(args: argparse.Namespace, tree: Tree) -> Counter[str]:
     jobs = [socket.socket(fileno=fd) for fd in args.jobs]
-    operations = DispatchingOperations(tree, jobs)
+    operations = DispatchingOperations(tree, jobs, args.fd)
     pyfuse3.init(operations, f"/dev/fd/{args.fd}", set())
     pyfuse3.take_init(args.init.read_bytes())
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            for owner in range(len(jobs)):
+                nursery.start_soon(operations.watch, owner)
+            await pyfuse3.main(args.tasks, args.tasks)
+            nursery.cancel_scope.cancel()
+
     try:
-        trio.run(pyfuse3.main, args.tasks, args.tasks)
+        trio.run(serve)
     finally:
         for job in jobs:  # the repliers see their socket end and exit
             job.close()
