@@ -12,7 +12,7 @@ when it is answered without pyfuse3, trio and bucketfs's layers:
   - the GET client alone in this process (boto3, obstore, s3torchconnector: the
     reference the issue names), READERS threads;
   - bucketfs (RAM only): a cold pass, then a warm one from its RAM tier (page cache and
-    names dropped), the daemon's CPU per file;
+    names dropped), the daemon's CPU per file; and a cold pass with `--cache-dir`;
   - a minimal server of the benchmark's own (`bench/harness/raw_fuse.py`) with PROCS
     processes each serving the same connection, for every count in --procs: a cold
     pass (a GET per READ, no cache); a pass from memory (names dropped); and a cache
@@ -24,8 +24,9 @@ when it is answered without pyfuse3, trio and bucketfs's layers:
   - one pyfuse3 process dispatching every READ to the one of PROCS repliers that owns
     the file, which replies itself on the shared descriptor (no clones, nothing handed
     between processes; `bench/harness/dispatch_fuse.py`): cold, each file kept by its
-    replier, then warm; and from memory; with the dispatcher's own CPU per file, the
-    serial part;
+    replier, then warm; and from memory; and with bucketfs's own data path in each
+    replier (`bench/harness/bucketfs_replier.py`), cold and warm, and cold with an SSD
+    tier; each with the dispatcher's own CPU per file, the serial part;
 their CPU per file (all of the server's processes) and files/s, how the kernel spread
 the requests over the processes, and which requests it sent per file
 (harness/fuse_census.py, where perf can count them). `--sources` runs only some of the
@@ -48,6 +49,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,7 @@ from bench.harness.saving import save_results
 from tests.servers import S3Server
 
 PREFIX = "train"
+STARTUP_S = 60.0  # a server's start, at most
 #: Each source's passes, in order (None: a pass whose figures are not reported: it
 #: faults in the mappings that the next pass reads, as a warm tier has them).
 SOURCE_PASSES: dict[str, tuple[str | None, ...]] = {
@@ -77,12 +80,16 @@ SOURCE_PASSES: dict[str, tuple[str | None, ...]] = {
     "pyfuse3": (None, "from memory, through pyfuse3"),
     "dispatch": ("cold, kept by its replier", "warm, from its replier"),
     "dispatch-memory": (None, "from memory, dispatched"),
+    "dispatch-bucketfs": ("cold, bucketfs's data path", "warm, bucketfs's RAM tier"),
+    "dispatch-bucketfs-ssd": ("cold, bucketfs's data path, SSD tier on",),
 }
 
 
 def server_name(source: str, procs: int, threads: int) -> str:
     """A row's server: pyfuse3 (its own trio tasks) or raw_fuse (`threads` threads)."""
     processes = f"{procs} process{'es' * (procs > 1)}"
+    if source.startswith("dispatch-bucketfs"):
+        return f"pyfuse3 dispatching to {procs} bucketfs replier{'s' * (procs > 1)}"
     if source.startswith("dispatch"):
         return f"pyfuse3 dispatching to {procs} replier{'s' * (procs > 1)} x {threads} threads"
     return (f"pyfuse3, {processes}" if source == "pyfuse3"
@@ -94,7 +101,10 @@ def write_table(server: S3Server, keys: list[str], directory: Path,
     """The tree under PREFIX as raw_fuse's table, and the bodies back to back in a file
     in /dev/shm (memory the server processes map). Returns the table and the bodies."""
     client = server.client()
-    bodies = {key: client.get_object(Bucket=BUCKET, Key=key)["Body"].read() for key in keys}
+    bodies, etags = {}, {}
+    for key in keys:
+        response = client.get_object(Bucket=BUCKET, Key=key)
+        bodies[key], etags[key] = response["Body"].read(), response["ETag"].strip('"')
     rows: list[list[Any]] = []
     inode_of = {"": raw_fuse.ROOT}
     for key in keys:
@@ -116,6 +126,8 @@ def write_table(server: S3Server, keys: list[str], directory: Path,
     table = directory / "table.json"
     table.write_text(json.dumps({
         "rows": rows, "bodies": str(data),
+        # bucketfs_replier pins each read to its object's version, as bucketfs does.
+        "etags": {inode_of[k.removeprefix(f"{PREFIX}/")]: etags[k] for k in keys},
         "origin": {"endpoint": server.endpoint, "bucket": BUCKET, "region": server.region,
                    "access_key": server.access_key, "secret_key": server.secret_key}}))
     return table, bodies
@@ -156,10 +168,24 @@ class RawMount:
             # Answered once a server has taken INIT. Were every server gone, the
             # connection would have ended with its last descriptor: ENOTCONN.
             os.stat(self.mountpoint)
+            self._wait_until_started()
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def _wait_until_started(self) -> None:
+        """Until every server has said it started (raw_fuse.ready), so that no pass is
+        charged a process's imports and set-up (bucketfs's data path: ~0.5 s of CPU)."""
+        deadline = time.monotonic() + STARTUP_S
+        for stats, server in zip(self.stats, self.servers, strict=True):
+            while not stats.with_name(stats.name + ".ready").exists():
+                if server.poll() is not None:
+                    raise RuntimeError(f"{server.args[2]} exited with {server.returncode} "
+                                       "as it started")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{server.args[2]} did not start in {STARTUP_S} s")
+                time.sleep(0.01)
 
     def _servers(self, fd: int, held: list[int]) -> list[tuple[list[str], tuple[int, ...]]]:
         """Each server's module and arguments, and the descriptors it inherits beyond
@@ -176,18 +202,27 @@ class RawMount:
                      for _ in range(self.procs)]
             ends = [(a.detach(), b.detach()) for a, b in pairs]
             held += [end for pair in ends for end in pair]
-            source = "memory" if self.source == "dispatch-memory" else "kept"
             dispatcher = (["bench.harness.dispatch_fuse", "dispatcher", "--init", str(init),
                            "--jobs", ",".join(str(a) for a, _ in ends), *stats[0]],
                           tuple(a for a, _ in ends))
-            return [dispatcher, *[
-                (["bench.harness.dispatch_fuse", "replier", "--jobs", str(b), "--source",
-                  source, "--threads", str(self.threads), *s], (b,))
-                for (_, b), s in zip(ends, stats[1:], strict=True)]]
+            return [dispatcher, *[(self._replier(index, b) + s, (b,)) for index, ((_, b), s)
+                                  in enumerate(zip(ends, stats[1:], strict=True))]]
         return [(["bench.harness.raw_fuse", "--source", self.source, "--threads",
                   str(self.threads), "--index", str(index), "--procs", str(self.procs),
                   "--sockets", str(self.sockets), *s], ())
                 for index, s in enumerate(stats)]
+
+    def _replier(self, index: int, jobs: int) -> list[str]:
+        """A dispatch source's replier `index`: dispatch_fuse's threads, or bucketfs's
+        data path (with an SSD tier of its own for "-ssd")."""
+        if self.source.startswith("dispatch-bucketfs"):
+            ssd = (["--cache-dir", str(self.sockets / f"cache-{index}")]
+                   if self.source.endswith("-ssd") else [])
+            return ["bench.harness.bucketfs_replier", "--jobs", str(jobs), "--procs",
+                    str(self.procs), *ssd]
+        return ["bench.harness.dispatch_fuse", "replier", "--jobs", str(jobs), "--source",
+                "memory" if self.source == "dispatch-memory" else "kept",
+                "--threads", str(self.threads)]
 
     @property
     def pids(self) -> list[int]:
@@ -262,6 +297,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for name in ("cold", "warm, RAM tier"):
                     rows.append({"server": "bucketfs (RAM only)", "pass": name, **timed_pass(
                         mount.mountpoint, rels, args.readers, [mount.pid], bodies)})
+            with Mount(server, Path(tmp) / "bucketfs-ssd",
+                       ["--cache-dir", str(Path(tmp) / "bucketfs-cache")]) as mount:
+                mount.list_tree(rels)
+                rows.append({"server": "bucketfs (--cache-dir)", "pass": "cold", **timed_pass(
+                    mount.mountpoint, rels, args.readers, [mount.pid], bodies)})
             for procs in args.procs:
                 threads = -(-args.readers // procs) + 1
                 for source in args.sources:

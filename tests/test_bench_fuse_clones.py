@@ -8,11 +8,14 @@ import json
 import os
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 
 from bench import fuse_clones
+from bench.dataplane import BUCKET, make_dataset
 from bench.harness import raw_fuse
+from tests.servers import S3Server
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]  # mount(2), drop_caches
 
@@ -27,16 +30,21 @@ def test_two_processes_share_one_connection_and_every_pass_is_measured(tmp_path,
               for procs, threads in ((1, 5), (2, 3))
               for source, names in fuse_clones.SOURCE_PASSES.items() for name in names if name]
     assert set(rows) == {("bucketfs (RAM only)", "cold"),
-                         ("bucketfs (RAM only)", "warm, RAM tier"), *passes}
+                         ("bucketfs (RAM only)", "warm, RAM tier"),
+                         ("bucketfs (--cache-dir)", "cold"), *passes}
     assert ("pyfuse3, 2 processes", "from memory, through pyfuse3") in rows
+    assert ("pyfuse3 dispatching to 2 bucketfs repliers",
+            "cold, bucketfs's data path, SSD tier on") in rows
     for row in rows.values():
         assert row["files"] == 60 and row["files_per_s"] > 0
     # The kernel handed the one connection's requests to both processes; a dispatcher
     # answered the names and each of its repliers the reads of the files it owns.
+    serving = {fuse_clones.server_name(source, procs, threads): procs
+               for procs, threads in ((1, 5), (2, 3)) for source in fuse_clones.SOURCE_PASSES}
     for server, name in passes:
         spread = rows[(server, name)]["requests_by_process"]
-        serving = 2 if "2 processes" in server or "2 repliers" in server else 1
-        assert len(spread) == serving + ("dispatching" in server) and min(spread) > 0
+        assert len(spread) == serving[server] + ("dispatching" in server)
+        assert min(spread) > 0
         lead = rows[(server, name)]["lead_cpu_ms_per_file"]
         assert (lead is not None) == ("dispatching" in server)
         if lead is not None:
@@ -129,3 +137,35 @@ def test_a_replier_that_dies_fails_its_reads_and_nothing_else(tmp_path):
         assert (where / "e").read_bytes() == b"pq"
         assert os.stat(where / "a").st_size == 3
     assert mount.spread()[0]["REPLIER_LOST"] == 1
+
+
+def test_a_bucketfs_replier_pins_each_read_to_its_version(tmp_path):
+    """bucketfs's data path behind the dispatcher serves exact bytes, and a read whose
+    object no longer has the version in the table is answered EIO, not wrong bytes."""
+    with S3Server() as server:
+        # 22 files in 20 directories: the last two share one, so that both parities of
+        # inode, and so both repliers, have files.
+        keys, _ = make_dataset(server, 22, 4, 0)
+        table, bodies = fuse_clones.write_table(server, keys, tmp_path)
+        changed = keys[0]
+        server.client().put_object(Bucket=BUCKET, Key=changed, Body=b"a new version")
+        _read_through_bucketfs_repliers(tmp_path, table, keys, bodies, changed)
+
+
+def _read_through_bucketfs_repliers(tmp_path: Path, table: Path, keys: list[str],
+                                    bodies: dict[str, bytes], changed: str) -> None:
+    layout = json.loads(table.read_text())
+    try:
+        with fuse_clones.RawMount(tmp_path / "mnt", table, "dispatch-bucketfs", 2,
+                                  2) as mount:
+            for key in keys[1:]:
+                path = mount.mountpoint / key.removeprefix("train/")
+                assert path.read_bytes() == bodies[key]
+            with pytest.raises(OSError) as stale:
+                (mount.mountpoint / changed.removeprefix("train/")).read_bytes()
+            assert stale.value.errno == errno.EIO
+        answered = mount.spread()
+        assert sum(s.get("EIO", 0) for s in answered[1:]) >= 1
+        assert all(s.get("READ", 0) > 0 for s in answered[1:])  # both repliers served
+    finally:
+        Path(layout["bodies"]).unlink(missing_ok=True)

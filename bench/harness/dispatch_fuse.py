@@ -45,7 +45,14 @@ import pyfuse3
 import trio
 
 from bench.harness.pyfuse3_clone import TreeOperations
-from bench.harness.raw_fuse import OUT_HEADER, Bodies, CurlBodies, MemoryBodies, Tree
+from bench.harness.raw_fuse import (
+    OUT_HEADER,
+    Bodies,
+    CurlBodies,
+    MemoryBodies,
+    Tree,
+    ready,
+)
 
 JOB = struct.Struct("<QQQI")  # unique, inode, offset, size
 #: Reads handed to a replier that are answered EIO if it dies: far more than can be in
@@ -157,6 +164,7 @@ def replier(args: argparse.Namespace, table: dict[str, Any], tree: Tree) -> Coun
     counts: list[Counter[str]] = [Counter() for _ in range(args.threads)]
     threads = [threading.Thread(target=reply_to_jobs, args=(args.fd, job, bodies, c),
                                 daemon=True) for c in counts]
+    ready(args.stats)
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -177,6 +185,7 @@ def dispatcher(args: argparse.Namespace, tree: Tree) -> Counter[str]:
             await pyfuse3.main(args.tasks, args.tasks)
             nursery.cancel_scope.cancel()
 
+    ready(args.stats)
     try:
         trio.run(serve)
     finally:

@@ -25,7 +25,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from bench.harness.raw_fuse import ROOT, VALID_S, MemoryBodies, Tree, clone, kind
+from bench.harness.raw_fuse import ROOT, VALID_S, MemoryBodies, Tree, clone, kind, ready
 
 
 class TreeOperations(pyfuse3.Operations):
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     os.close(args.fd)
     pyfuse3.init(operations, f"/dev/fd/{fd}", set())
     pyfuse3.take_init(args.init.read_bytes())
+    ready(args.stats)
     trio.run(pyfuse3.main, args.tasks, args.tasks)
     args.stats.write_text(json.dumps(operations.counts))
     return 0

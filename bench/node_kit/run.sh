@@ -7,7 +7,8 @@
 #
 # STEP: smoke (a 200-file dataplane) | dataplane | gpu | placement | gets (the GET engine
 # against obstore, bench.large_gets) | clones (more than one serving process on one FUSE
-# connection, bench.fuse_clones). Results go to $OUT.
+# connection, bench.fuse_clones: clones splitting a cache, and one process dispatching
+# reads to minimal repliers and to bucketfs's data path). Results go to $OUT.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -36,7 +37,7 @@ for step in "$@"; do
     gpu) timeout $(( left < ${GPU_LIMIT:-240} ? left : ${GPU_LIMIT:-240} )) $PY -m bench.gpu_epoch --images 16384 --epochs 2 --workers 12 --out "$OUT" ;;
     placement) timeout $left $PY -m bench.placement --files 4000 --rounds 1 --variants all,cpus4,cpus2 --out "$OUT" ;;
     gets) timeout $(( left < 120 ? left : 120 )) $PY -m bench.large_gets --mib 1024 --rounds 2 --out "$OUT" ;;
-    clones) timeout $(( left < 240 ? left : 240 )) $PY -m bench.fuse_clones --files 4000 --procs 1,2,4,8 --out "$OUT" ;;
+    clones) timeout $(( left < 300 ? left : 300 )) $PY -m bench.fuse_clones --files 4000 --procs 1,2,4,8 --sources owned,dispatch,dispatch-bucketfs,dispatch-bucketfs-ssd --out "$OUT" ;;
   esac
   echo "=== $step rc=$? $(( $(date +%s) - s )) s"
 done
