@@ -85,6 +85,10 @@ Metrics (labels in braces):
   bucketfs_prefetch_held_bytes                bytes prefetched and not yet read
   bucketfs_background_failures_total          background tasks that failed (logged, the
                                               mount went on)
+  bucketfs_serving_thread_cpu_seconds_total   CPU of the thread that answers every FUSE
+                                              request: its rate near 1 is the mount's
+                                              ceiling of files/s (loop_load.py)
+  bucketfs_daemon_cpu_seconds_total           CPU of the daemon, all its threads
 
 The ssd-tier series exist only when the mount has an SSD tier; the hints and prefetch
 series only when hinted prefetch is on (hints.prefetch_window > 0). The prefetch values
@@ -110,6 +114,7 @@ from bucketfs import fs, tasks
 from bucketfs.backends.store import LatencyHistogram, ObjectStore
 from bucketfs.cache.shared import SharedTier
 from bucketfs.cache.tiered import BlockCache
+from bucketfs.loop_load import ServingLoad
 from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import Reader
 from bucketfs.spare_buffers import spare_buffers
@@ -143,11 +148,13 @@ class MountCollector(Collector):
     """Reads the counters of one mount's cache, object store and reader at scrape time."""
 
     def __init__(self, cache: BlockCache, store: ObjectStore, reader: Reader,
-                 prefetch: HintedPrefetch | None = None) -> None:
+                 prefetch: HintedPrefetch | None = None, load: ServingLoad | None = None,
+                 ) -> None:
         self.cache = cache
         self.store = store
         self.reader = reader
         self.prefetch = prefetch
+        self.load = load
 
     def collect(self) -> Iterator[Metric]:
         yield from self._cache()
@@ -163,6 +170,14 @@ class MountCollector(Collector):
             PREFIX + "background_failures_total",
             "Background tasks that failed (each logged; the mount went on).",
             value=tasks.failures)
+        if self.load is not None:
+            yield CounterMetricFamily(
+                PREFIX + "serving_thread_cpu_seconds_total",
+                "CPU seconds of the thread that answers every FUSE request; a rate near 1 "
+                "is the mount's ceiling of files per second.", value=self.load.thread_cpu_s())
+            yield CounterMetricFamily(
+                PREFIX + "daemon_cpu_seconds_total",
+                "CPU seconds of the daemon, all its threads.", value=self.load.process_cpu_s())
 
     def _cache(self) -> Iterator[Metric]:
         stats, disk = self.cache.stats, self.cache.disk
@@ -390,10 +405,12 @@ class MountCollector(Collector):
 
 
 def build_registry(cache: BlockCache, store: ObjectStore, reader: Reader,
-                   prefetch: HintedPrefetch | None = None) -> CollectorRegistry:
-    """A fresh registry holding only this mount's metrics (never the process-global one)."""
+                   prefetch: HintedPrefetch | None = None, load: ServingLoad | None = None,
+                   ) -> CollectorRegistry:
+    """A fresh registry holding only this mount's metrics (never the process-global one).
+    `load`: the serving thread's clocks (its series are there only with it)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(MountCollector(cache, store, reader, prefetch))
+    registry.register(MountCollector(cache, store, reader, prefetch, load))
     return registry
 
 

@@ -55,6 +55,7 @@ from bucketfs.config import Config, options_for_other_buckets
 from bucketfs.fs import PATCHED_PYFUSE3, Operations
 from bucketfs.hints.location import socket_path
 from bucketfs.hints_server import HintsServerError, serve_hints
+from bucketfs.loop_load import ServingLoad
 from bucketfs.metrics import build_registry, start_metrics_server
 from bucketfs.namespace import Namespace
 from bucketfs.prefetch.eviction import EvictionPolicy, make_policy
@@ -312,10 +313,12 @@ async def _serve_namespace(
         )
         if prefetch is not None:
             await nursery.start(prefetch.run)
+        load = ServingLoad()  # this is the thread that answers every request
         status = MountStatus(facts_of(info.url, info.mountpoint, config, store,
                                      kernel_opens=kernel_opens), cache,
                              store, reader, prefetch,
-                             WarmJobs(namespace, cache, nursery, connections=connections))
+                             WarmJobs(namespace, cache, nursery, connections=connections),
+                             load)
         start_guarded(nursery, "sampling the origin's throughput", status.run)
         huge_buffers.choose(config.huge_buffers)
         # A read-ahead window's evictions come back together: keep that many spare.
@@ -328,7 +331,7 @@ async def _serve_namespace(
         if config.metrics_port:
             try:
                 start_metrics_server(config.metrics_port, config.metrics_address,
-                                     build_registry(cache, store, reader, prefetch))
+                                     build_registry(cache, store, reader, prefetch, load))
             except OSError as exc:
                 raise MountError(f"cannot serve metrics on {config.metrics_address}:"
                                  f"{config.metrics_port}: {exc.strerror}") from None

@@ -9,9 +9,10 @@ what the origin saw: a request counts once per attempt, retries included. (The o
 exception is the mount-time access check, a LIST or HEAD made before the mount's own
 store exists: neither counts it.)
 
-Only the throughput needs a history: a task samples the origin's byte and request
-counts once a second and keeps the last ten seconds, so the rate shown is recent, not
-an average since the mount.
+Only the rates need a history: a task samples the origin's byte and request counts, and
+the serving thread's and the daemon's CPU clocks (`loop_load.ServingLoad`), once a
+second and keeps the last ten seconds, so the rates shown are recent, not averages since
+the mount.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from bucketfs.backends.store import ObjectStore
 from bucketfs.backends.urls import BucketUrl
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config
+from bucketfs.loop_load import ServingLoad
 from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import Reader
 from bucketfs.warm import WarmJobs
@@ -88,7 +90,11 @@ class MountStatus:
     """Builds the STATUS reply; `run` samples the origin's throughput."""
 
     def __init__(self, facts: MountFacts, cache: BlockCache, store: ObjectStore,
-                 reader: Reader, prefetch: HintedPrefetch | None, warm: WarmJobs) -> None:
+                 reader: Reader, prefetch: HintedPrefetch | None, warm: WarmJobs,
+                 load: ServingLoad | None = None) -> None:
+        """`load`: the serving thread's clocks (made in that thread); by default this
+        thread's, which is the serving thread when the mount makes this."""
+        self.load = load or ServingLoad()
         self.facts = facts
         self.cache = cache
         self.store = store
@@ -97,9 +103,10 @@ class MountStatus:
         self.warm = warm
         self.started = time.time()
         self._began = time.monotonic()
-        #: (monotonic time, origin bytes, origin requests), oldest first.
-        self._samples: collections.deque[tuple[float, int, int]] = collections.deque(
-            maxlen=int(RATE_WINDOW_S / SAMPLE_S) + 1)
+        #: (monotonic time, origin bytes, origin requests, serving thread's CPU seconds,
+        #: daemon's CPU seconds), oldest first.
+        self._samples: collections.deque[tuple[float, int, int, float, float]] = \
+            collections.deque(maxlen=int(RATE_WINDOW_S / SAMPLE_S) + 1)
         self._sample()
 
     async def run(self) -> None:
@@ -110,7 +117,8 @@ class MountStatus:
     def _sample(self) -> None:
         counts = self.store.counts
         self._samples.append((time.monotonic(), counts.bytes_fetched,
-                              counts.get + counts.head + counts.list))
+                              counts.get + counts.head + counts.list,
+                              self.load.thread_cpu_s(), self.load.process_cpu_s()))
 
     # --- the snapshot (trio thread) ------------------------------------------------------
 
@@ -118,6 +126,7 @@ class MountStatus:
         return {
             "schema": SCHEMA,
             "mount": self._mount(),
+            "load": self._load(),
             "cache": self._cache(),
             "reads": {"opens": self.reader.opens, "requests": self.reader.reads,
                       "bytes": self.reader.bytes_read},
@@ -237,7 +246,7 @@ class MountStatus:
         counts = self.store.counts
         requests = {kind: getattr(counts, kind) for kind in REQUEST_KINDS}
         now = time.monotonic()
-        since, old_bytes, old_requests = self._samples[0]
+        since, old_bytes, old_requests, _, _ = self._samples[0]
         interval = now - since
         total = sum(requests.values())
         return {
@@ -252,6 +261,20 @@ class MountStatus:
                 if interval > 0 else 0.0,
             },
             "cost": request_cost(self.facts.scheme, requests),
+        }
+
+    def _load(self) -> dict[str, Any]:
+        """The serving thread's share of a core (1: the mount's ceiling) and the daemon's
+        cores, over the sampled window."""
+        since, _, _, thread_before, process_before = self._samples[0]
+        interval = time.monotonic() - since
+        if interval <= 0:
+            return {"interval_s": 0.0, "serving_thread_busy": 0.0, "daemon_cores": 0.0}
+        return {
+            "interval_s": round(interval, 1),
+            "serving_thread_busy": round((self.load.thread_cpu_s() - thread_before)
+                                         / interval, 3),
+            "daemon_cores": round((self.load.process_cpu_s() - process_before) / interval, 3),
         }
 
     def _errors(self) -> dict[str, Any]:

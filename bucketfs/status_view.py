@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
 def render(report: dict[str, Any]) -> str:
     """The report as a few aligned lines per section."""
-    sections = [("mount", _mount(report["mount"])), ("cache", _cache(report["cache"])),
+    sections = [("mount", _mount(report["mount"])), ("load", _load(report.get("load"))),
+                ("cache", _cache(report["cache"])),
                 ("reads", _reads(report.get("reads"))),
                 ("prefetch", _prefetch(report["prefetch"])),
                 ("shared", _shared(report.get("shared"))),
@@ -151,6 +152,15 @@ def _shared(shared: dict[str, Any] | None) -> Iterator[str]:
     yield (f"written {count(shared['writes'])} blocks ({size(shared['bytes_written'])})"
            f" · dropped {count(shared['dropped'])}{queued} · requests GET "
            f"{count(requests['get'])}, PUT {count(requests['put'])}")
+
+
+def _load(load: dict[str, Any] | None) -> Iterator[str]:
+    if load is None:  # a daemon from before this key
+        return
+    busy = load["serving_thread_busy"]
+    note = " · at its ceiling: more readers will not read faster" if busy >= 0.9 else ""
+    yield (f"serving thread {busy:.0%} busy · daemon {load['daemon_cores']:.2f} cores "
+           f"(last {load['interval_s']:g} s){note}")
 
 
 def _origin(origin: dict[str, Any]) -> Iterator[str]:

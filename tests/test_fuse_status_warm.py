@@ -88,7 +88,7 @@ def test_status_agrees_with_metrics_and_with_what_the_origin_saw(counted, tmp_pa
             "--block-size", "1MiB", "--ram-cache", "2MiB", "--disk-free-floor", "0",
             "--metrics-port", str(port), "--retry-base-delay", "0.01")
     with mounted("s3://status-warm", tmp_path / "mnt", *args, env=env) as mnt:
-        before = status_json(mnt)
+        before, scrape_before = status_json(mnt), metrics(port)
         proxy.clear()  # the mount's own LIST of the root and its access check are before
         proxy.add_rule(method="GET", path_contains="train/c1/001.jpg", action="status:503",
                        times=1)  # one retry, which the bucket sees and so must the status
@@ -130,6 +130,13 @@ def test_status_agrees_with_metrics_and_with_what_the_origin_saw(counted, tmp_pa
         scrape["bucketfs_readahead_prefetches_total"]
     assert report["errors"]["background_failures"] == \
         scrape["bucketfs_background_failures_total"] == 0
+    # The serving thread answered the reads; the daemon's CPU includes its.
+    serving = "bucketfs_serving_thread_cpu_seconds_total"
+    assert scrape[serving] > scrape_before[serving]
+    assert scrape["bucketfs_daemon_cpu_seconds_total"] >= scrape[serving]
+    load = report["load"]
+    assert 0 <= load["serving_thread_busy"] <= 1.05 and load["interval_s"] > 0
+    assert load["daemon_cores"] >= load["serving_thread_busy"] - 0.01
     assert report["prefetch"]["hits"] == scrape["bucketfs_prefetch_hits_total"]
     lookups = ram["hits"] + ssd["hits"] + cache["misses"]
     assert cache["hit_ratio"]["total"] == round((ram["hits"] + ssd["hits"]) / lookups, 4)
@@ -157,6 +164,7 @@ def test_status_agrees_with_metrics_and_with_what_the_origin_saw(counted, tmp_pa
     assert ram_line[column:].startswith("2.0 MiB") and ssd_line[column:].startswith("16.0 GiB")
     assert any("estimated" in line and "AWS S3" in line for line in lines)
     assert any(line.startswith("errors    retries 1 ") for line in lines), lines
+    assert any(line.startswith("load      serving thread ") for line in lines), lines
 
 
 @pytest.mark.root

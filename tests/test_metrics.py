@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import re
 import socket
+import time
 import urllib.request
 
 import trio
@@ -19,6 +20,7 @@ from bucketfs.cache.blocks import BlockId, ObjectRef
 from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
+from bucketfs.loop_load import ServingLoad
 from bucketfs.metrics import build_registry, start_metrics_server
 from bucketfs.prefetch.eviction import make_policy
 from bucketfs.reader import ByteBudget, Reader, ReadSettings
@@ -241,7 +243,7 @@ def test_the_documented_list_is_exactly_what_a_mount_exports(tmp_path):
             prefetch = HintedPrefetch(
                 namespace, cache, PrefetchScheduler(window_bytes=BLOCK, budget_bytes=BLOCK),
                 connections=1, block_size=BLOCK)
-            registry = build_registry(cache, store, reader, prefetch)
+            registry = build_registry(cache, store, reader, prefetch, ServingLoad())
             out["names"] = {family.name for family in registry.collect()}
             namespace.close()
             nursery.cancel_scope.cancel()
@@ -251,3 +253,42 @@ def test_the_documented_list_is_exactly_what_a_mount_exports(tmp_path):
     # prometheus_client reports counters without their _total suffix.
     exported = {n + "_total" if n + "_total" in documented else n for n in out["names"]}
     assert exported == documented
+
+
+def test_the_serving_threads_cpu_is_that_threads_alone():
+    """A scrape (from another thread) reads the CPU of the thread that made the
+    ServingLoad, not its own, and the daemon's in all."""
+    backend = MemoryBackend(objects())
+    loads = {}
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    async def main():
+        loads["serving"] = ServingLoad()
+        async with trio.open_nursery() as nursery:
+            store = ObjectStore(backend, max_workers=1, retry=RetryPolicy(1))
+            cache = BlockCache(store, RamTier(BLOCK, make_policy("lru")), None,
+                               block_size=BLOCK, nursery=nursery)
+            reader = Reader(cache, ByteBudget(BLOCK), ReadSettings(), nursery)
+            registry = build_registry(cache, store, reader, load=loads["serving"])
+            scrape = {}
+
+            def scrape_twice() -> None:  # as the metrics server's thread does
+                scrape["before"] = value(registry, "bucketfs_serving_thread_cpu_seconds_total")
+                burn(0.2)  # this thread's CPU: not the serving thread's
+                scrape["between"] = value(registry, "bucketfs_serving_thread_cpu_seconds_total")
+                scrape["daemon"] = value(registry, "bucketfs_daemon_cpu_seconds_total")
+
+            await trio.to_thread.run_sync(scrape_twice)
+            first = value(registry, "bucketfs_serving_thread_cpu_seconds_total")
+            burn(0.2)  # the serving thread's own
+            second = value(registry, "bucketfs_serving_thread_cpu_seconds_total")
+            nursery.cancel_scope.cancel()
+        assert scrape["between"] - scrape["before"] < 0.1
+        assert second - first >= 0.19
+        assert scrape["daemon"] >= scrape["between"] + 0.19  # the scraping thread's burn
+
+    trio.run(main)

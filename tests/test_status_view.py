@@ -22,6 +22,7 @@ REPORT = {
               "mountpoint": "/mnt/train", "pid": 4242, "version": "0.1.0",
               "started": "2026-11-24T05:00:00+00:00", "uptime_s": 3725.0,
               "block_size": 4 << 20, "hints": True, "metrics": "127.0.0.1:9100"},
+    "load": {"interval_s": 10.0, "serving_thread_busy": 0.953, "daemon_cores": 1.42},
     "cache": {
         "tiers": [
             {"name": "ram", "used": 2040 << 20, "capacity": 2 << 30, "evictions": 31_337,
@@ -61,7 +62,7 @@ REPORT = {
 def test_the_text_view_has_every_section_aligned():
     lines = render(REPORT).splitlines()
     labels = [line[:10].strip() for line in lines if line[:10].strip()]
-    assert labels == ["mount", "cache", "prefetch", "origin", "errors", "warm"]
+    assert labels == ["mount", "load", "cache", "prefetch", "origin", "errors", "warm"]
     assert all(line[:10].strip() == "" or line[9] == " " for line in lines)
     assert lines[0] == "mount     s3://imagenet/train/ on /mnt/train"
     assert "up 1h 02m" in lines[1] and "endpoint https://s3.us-east-1" in lines[1]
@@ -79,6 +80,8 @@ def test_the_text_view_has_every_section_aligned():
     assert "window 120.0 MiB of 256.0 MiB · in flight 3 files (12.0 MiB) on 8 of 24" in text
     assert "GET 17,000 · HEAD 1 · LIST 1,100 · 66.0 GiB fetched" in text
     assert "now 85.0 MiB/s, 21.5 requests/s (last 10 s)" in text
+    assert "load      serving thread 95% busy · daemon 1.42 cores (last 10 s) · at its " \
+           "ceiling: more readers will not read faster" in text
     # 17,001 GET/HEAD at $0.0004 and 1,100 LIST at $0.005 per 1,000.
     assert "cost ~$0.0123 estimated, requests only (GET $0.0004, HEAD $0.0004, LIST " \
            "$0.005 per 1,000: AWS S3 Standard list prices (us-east-1))" in text
@@ -97,6 +100,14 @@ def test_a_report_with_hints_off_no_ssd_and_no_lookups():
     text = render(report)
     assert "no lookups yet" in text and "hints off (prefetch_window 0)" in text
     assert "cost: none (a local directory)" in text and "\nwarm" not in text
+
+
+def test_a_serving_thread_below_its_ceiling_says_only_its_share():
+    report = {**REPORT, "load": {"interval_s": 4.0, "serving_thread_busy": 0.31,
+                                 "daemon_cores": 0.5}}
+    assert "load      serving thread 31% busy · daemon 0.50 cores (last 4 s)\n" in render(report)
+    report.pop("load")  # a daemon from before the section: none shown
+    assert "\nload " not in render(report)
 
 
 def test_units():
@@ -192,7 +203,8 @@ def test_the_shared_tier_has_its_section_and_its_share_of_the_hits():
                                                         "shared": 0.0005}}
     lines = render(report).splitlines()
     labels = [line[:10].strip() for line in lines if line[:10].strip()]
-    assert labels == ["mount", "cache", "prefetch", "shared", "origin", "errors", "warm"]
+    assert labels == ["mount", "load", "cache", "prefetch", "shared", "origin", "errors",
+                      "warm"]
     text = "\n".join(lines)
     assert "(ram 70.8%, ssd 28.2%, shared 0.1%; 17,000 from the bucket)" in text
     assert "s3://cache/bucketfs/ via http://10.0.0.5:9000 · RESTING after a failure" in text
