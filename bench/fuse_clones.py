@@ -150,6 +150,8 @@ class RawMount:
     def __enter__(self) -> RawMount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self.sockets.mkdir(mode=0o700, exist_ok=True)
+        for stats in self.stats:  # a mount here before: its servers' word is not theirs
+            stats.with_name(stats.name + ".ready").unlink(missing_ok=True)
         fd = os.open("/dev/fuse", os.O_RDWR)
         held = [fd]  # closed here once the servers have them
         try:

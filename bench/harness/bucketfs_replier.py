@@ -57,6 +57,8 @@ class JobServer:
     def __init__(self, fd: int, tree: Tree, versions: dict[int, str], reader: Reader
                  ) -> None:
         self.fd, self.tree, self.versions, self.reader = fd, tree, versions, reader
+        #: A read state per inode read (the daemon keeps a bounded number; the
+        #: benchmark's few thousand files need no bound).
         self.states: dict[int, OpenFile] = {}
         self.counts: Counter[str] = Counter()
 

@@ -115,6 +115,8 @@ class DispatchingOperations(TreeOperations):
                 os.write(self.fd, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO, unique))
                 answered += 1
             except OSError as error:
+                if error.errno == errno.ENODEV:  # unmounted: nobody waits any more
+                    break
                 if error.errno != errno.ENOENT:  # ENOENT: answered already
                     raise
         print(f"replier {owner} went away: {answered} reads waiting on it answered EIO, "
@@ -148,12 +150,17 @@ def reply_to_jobs(fd: int, job: socket.socket, bodies: Bodies, counts: Counter[s
         try:
             data = bodies.read(ino, offset, size)
             os.writev(fd, [OUT_HEADER.pack(OUT_HEADER.size + len(data), 0, unique), data])
-        except OSError as error:
-            if error.errno == errno.ENODEV:  # unmounted
+        except Exception as error:  # a GET that failed (pycurl.error) too: its reader waits
+            code = error.errno if isinstance(error, OSError) else None
+            if code == errno.ENODEV:  # unmounted
                 return
-            if error.errno == errno.ENOENT:  # the request was interrupted
+            if code == errno.ENOENT:  # the request was interrupted
                 continue
-            os.write(fd, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO, unique))
+            counts["EIO"] += 1
+            try:
+                os.write(fd, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO, unique))
+            except OSError:  # unmounted or interrupted meanwhile: nobody waits
+                continue
 
 
 def replier(args: argparse.Namespace, table: dict[str, Any], tree: Tree) -> Counter[str]:
