@@ -319,7 +319,7 @@ async def _serve_namespace(
                              store, reader, prefetch,
                              WarmJobs(namespace, cache, nursery, connections=connections),
                              load)
-        start_guarded(nursery, "sampling the origin's throughput", status.run)
+        start_guarded(nursery, "sampling the origin's throughput and the CPU", status.run)
         huge_buffers.choose(config.huge_buffers)
         # A read-ahead window's evictions come back together: keep that many spare.
         spare_buffers.limit = config.readahead_max

@@ -87,7 +87,7 @@ def facts_of(url: BucketUrl, mountpoint: str, config: Config, store: ObjectStore
 
 
 class MountStatus:
-    """Builds the STATUS reply; `run` samples the origin's throughput."""
+    """Builds the STATUS reply; `run` samples the origin's throughput and the CPU clocks."""
 
     def __init__(self, facts: MountFacts, cache: BlockCache, store: ObjectStore,
                  reader: Reader, prefetch: HintedPrefetch | None, warm: WarmJobs,
