@@ -48,8 +48,9 @@ def test_two_processes_share_one_connection_and_every_pass_is_measured(tmp_path,
         lead = rows[(server, name)]["lead_cpu_ms_per_file"]
         assert (lead is not None) == ("dispatching" in server)
         if lead is not None:
-            # /proc counts in clock ticks: 60 files may cost the dispatcher none.
-            assert 0 <= lead <= rows[(server, name)]["cpu_ms_per_file"]
+            # /proc counts in clock ticks: 60 files may cost the dispatcher none, or all
+            # the ticks the processes were charged (the two sums then differ in rounding).
+            assert 0 <= lead <= rows[(server, name)]["cpu_ms_per_file"] + 1e-9
     out = capsys.readouterr().out
     assert "| raw, 2 processes x 3 threads | cold, no cache |" in out
     assert "| pyfuse3 dispatching to 2 repliers x 3 threads | cold, kept by its replier |" in out
