@@ -7,7 +7,9 @@ then wait longer, they do not read faster (a cold ~100 KB file costs it ~0.43 ms
 2-core VM, docs/BENCHMARKS.md). The daemon's CPU in all (worker threads: the SSD tier,
 large replies) says what the mount costs the node. Both are read from the kernel's
 per-thread and per-process CPU clocks, so counting them costs the read path nothing,
-and any thread (Prometheus's scrape) can read them.
+and any thread (Prometheus's scrape) can read them. `bucketfs status` also divides the
+thread's CPU by the files opened in the same seconds: its time per file, and the files
+per second that allows at that mix of work.
 """
 
 from __future__ import annotations

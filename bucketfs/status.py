@@ -9,10 +9,10 @@ what the origin saw: a request counts once per attempt, retries included. (The o
 exception is the mount-time access check, a LIST or HEAD made before the mount's own
 store exists: neither counts it.)
 
-Only the rates need a history: a task samples the origin's byte and request counts, and
-the serving thread's and the daemon's CPU clocks (`loop_load.ServingLoad`), once a
-second and keeps the last ten seconds, so the rates shown are recent, not averages since
-the mount.
+Only the rates need a history: a task samples the origin's byte and request counts, the
+files opened, and the serving thread's and the daemon's CPU clocks
+(`loop_load.ServingLoad`), once a second and keeps the last ten seconds, so the rates
+shown are recent, not averages since the mount.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import datetime
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 
@@ -42,6 +42,9 @@ REQUEST_KINDS = ("get", "head", "list")
 SAMPLE_S = 1.0
 #: The throughput shown is over (at most) this many seconds.
 RATE_WINDOW_S = 10.0
+#: Files opened in the window below which the serving thread's time per file is not
+#: shown: its other work (listings, status, prefetch planning) would dominate.
+PER_FILE_MIN_OPENS = 100
 
 #: List prices per 1,000 requests in USD, for an estimate of what the mount's requests
 #: cost: storage in the Standard class, without data transfer (free to a node in the
@@ -61,6 +64,15 @@ PRICE_NAMES = {
     "s3": "AWS S3 Standard list prices (us-east-1)",
     "gs": "Google Cloud Storage Standard list prices (regional)",
 }
+
+
+class _Sample(NamedTuple):
+    at: float  # monotonic
+    origin_bytes: int
+    origin_requests: int
+    opens: int
+    thread_cpu_s: float
+    process_cpu_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +115,9 @@ class MountStatus:
         self.warm = warm
         self.started = time.time()
         self._began = time.monotonic()
-        #: (monotonic time, origin bytes, origin requests, serving thread's CPU seconds,
-        #: daemon's CPU seconds), oldest first.
-        self._samples: collections.deque[tuple[float, int, int, float, float]] = \
-            collections.deque(maxlen=int(RATE_WINDOW_S / SAMPLE_S) + 1)
+        #: Oldest first.
+        self._samples: collections.deque[_Sample] = collections.deque(
+            maxlen=int(RATE_WINDOW_S / SAMPLE_S) + 1)
         self._sample()
 
     async def run(self) -> None:
@@ -115,10 +126,13 @@ class MountStatus:
             self._sample()
 
     def _sample(self) -> None:
+        self._samples.append(self._now())
+
+    def _now(self) -> _Sample:
         counts = self.store.counts
-        self._samples.append((time.monotonic(), counts.bytes_fetched,
-                              counts.get + counts.head + counts.list,
-                              self.load.thread_cpu_s(), self.load.process_cpu_s()))
+        return _Sample(time.monotonic(), counts.bytes_fetched,
+                       counts.get + counts.head + counts.list, self.reader.opens,
+                       self.load.thread_cpu_s(), self.load.process_cpu_s())
 
     # --- the snapshot (trio thread) ------------------------------------------------------
 
@@ -246,7 +260,8 @@ class MountStatus:
         counts = self.store.counts
         requests = {kind: getattr(counts, kind) for kind in REQUEST_KINDS}
         now = time.monotonic()
-        since, old_bytes, old_requests, _, _ = self._samples[0]
+        then = self._samples[0]
+        since, old_bytes, old_requests = then.at, then.origin_bytes, then.origin_requests
         interval = now - since
         total = sum(requests.values())
         return {
@@ -264,17 +279,23 @@ class MountStatus:
         }
 
     def _load(self) -> dict[str, Any]:
-        """The serving thread's share of a core (1: the mount's ceiling) and the daemon's
-        cores, over the sampled window."""
-        since, _, _, thread_before, process_before = self._samples[0]
-        interval = time.monotonic() - since
+        """The serving thread's share of a core (1: the mount's ceiling), its time per file
+        opened and the files per second that allows (at the window's mix of work; None
+        under PER_FILE_MIN_OPENS files), and the daemon's cores, over the window."""
+        then, now = self._samples[0], self._now()
+        interval = now.at - then.at
         if interval <= 0:
-            return {"interval_s": 0.0, "serving_thread_busy": 0.0, "daemon_cores": 0.0}
+            return {"interval_s": 0.0, "serving_thread_busy": 0.0, "daemon_cores": 0.0,
+                    "serving_ms_per_file": None, "files_per_s_ceiling": None}
+        thread = now.thread_cpu_s - then.thread_cpu_s
+        opens = now.opens - then.opens
+        per_file = thread / opens if opens >= PER_FILE_MIN_OPENS and thread > 0 else None
         return {
             "interval_s": round(interval, 1),
-            "serving_thread_busy": round((self.load.thread_cpu_s() - thread_before)
-                                         / interval, 3),
-            "daemon_cores": round((self.load.process_cpu_s() - process_before) / interval, 3),
+            "serving_thread_busy": round(thread / interval, 3),
+            "daemon_cores": round((now.process_cpu_s - then.process_cpu_s) / interval, 3),
+            "serving_ms_per_file": None if per_file is None else round(1000 * per_file, 3),
+            "files_per_s_ceiling": None if per_file is None else round(1 / per_file),
         }
 
     def _errors(self) -> dict[str, Any]:

@@ -158,9 +158,13 @@ def _load(load: dict[str, Any] | None) -> Iterator[str]:
     if load is None:  # a daemon from before this key
         return
     busy = load["serving_thread_busy"]
+    per_file = ""
+    if load.get("serving_ms_per_file") is not None:
+        per_file = (f" · {load['serving_ms_per_file']:.2f} ms per file: at most "
+                    f"~{load['files_per_s_ceiling']:,} files/s")
     note = " · at its ceiling: more readers will not read faster" if busy >= 0.9 else ""
-    yield (f"serving thread {busy:.0%} busy · daemon {load['daemon_cores']:.2f} cores "
-           f"(last {load['interval_s']:g} s){note}")
+    yield (f"serving thread {busy:.0%} busy{per_file} · daemon {load['daemon_cores']:.2f} "
+           f"cores (last {load['interval_s']:g} s){note}")
 
 
 def _origin(origin: dict[str, Any]) -> Iterator[str]:

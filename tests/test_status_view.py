@@ -22,7 +22,8 @@ REPORT = {
               "mountpoint": "/mnt/train", "pid": 4242, "version": "0.1.0",
               "started": "2026-11-24T05:00:00+00:00", "uptime_s": 3725.0,
               "block_size": 4 << 20, "hints": True, "metrics": "127.0.0.1:9100"},
-    "load": {"interval_s": 10.0, "serving_thread_busy": 0.953, "daemon_cores": 1.42},
+    "load": {"interval_s": 10.0, "serving_thread_busy": 0.953, "daemon_cores": 1.42,
+             "serving_ms_per_file": 0.431, "files_per_s_ceiling": 2_320},
     "cache": {
         "tiers": [
             {"name": "ram", "used": 2040 << 20, "capacity": 2 << 30, "evictions": 31_337,
@@ -80,8 +81,9 @@ def test_the_text_view_has_every_section_aligned():
     assert "window 120.0 MiB of 256.0 MiB · in flight 3 files (12.0 MiB) on 8 of 24" in text
     assert "GET 17,000 · HEAD 1 · LIST 1,100 · 66.0 GiB fetched" in text
     assert "now 85.0 MiB/s, 21.5 requests/s (last 10 s)" in text
-    assert "load      serving thread 95% busy · daemon 1.42 cores (last 10 s) · at its " \
-           "ceiling: more readers will not read faster" in text
+    assert "load      serving thread 95% busy · 0.43 ms per file: at most ~2,320 files/s · " \
+           "daemon 1.42 cores (last 10 s) · at its ceiling: more readers will not read " \
+           "faster" in text
     # 17,001 GET/HEAD at $0.0004 and 1,100 LIST at $0.005 per 1,000.
     assert "cost ~$0.0123 estimated, requests only (GET $0.0004, HEAD $0.0004, LIST " \
            "$0.005 per 1,000: AWS S3 Standard list prices (us-east-1))" in text
@@ -104,7 +106,8 @@ def test_a_report_with_hints_off_no_ssd_and_no_lookups():
 
 def test_a_serving_thread_below_its_ceiling_says_only_its_share():
     report = {**REPORT, "load": {"interval_s": 4.0, "serving_thread_busy": 0.31,
-                                 "daemon_cores": 0.5}}
+                                 "daemon_cores": 0.5, "serving_ms_per_file": None,
+                                 "files_per_s_ceiling": None}}
     assert "load      serving thread 31% busy · daemon 0.50 cores (last 4 s)\n" in render(report)
     report.pop("load")  # a daemon from before the section: none shown
     assert "\nload " not in render(report)
