@@ -22,8 +22,6 @@ The origin and its credentials come from the driver's table.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import json
 import logging
 import os
@@ -35,7 +33,7 @@ from typing import Any
 import trio
 
 from bench.harness.dispatch_fuse import JOB
-from bench.harness.raw_fuse import OUT_HEADER, Tree, ready
+from bench.harness.raw_fuse import OUT_HEADER, Tree, answer_failure, ready
 from bucketfs.backends import open_backend
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
@@ -86,13 +84,9 @@ class JobServer:
             os.writev(self.fd, [OUT_HEADER.pack(OUT_HEADER.size + len(data), 0, unique),
                                 data])
         except Exception as error:
-            code = error.errno if isinstance(error, OSError) else None
-            if code in (errno.ENODEV, errno.ENOENT):  # unmounted; the read interrupted
-                return
-            self.counts["EIO"] += 1
-            log.warning("read of inode %d failed: %s", ino, error)
-            with contextlib.suppress(OSError):
-                os.write(self.fd, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO, unique))
+            if answer_failure(self.fd, unique, error) == "answered":
+                self.counts["EIO"] += 1
+                log.warning("read of inode %d failed: %s", ino, error)
 
 
 async def replier(args: argparse.Namespace, table: dict[str, Any], tree: Tree

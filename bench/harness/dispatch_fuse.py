@@ -51,8 +51,10 @@ from bench.harness.raw_fuse import (
     CurlBodies,
     MemoryBodies,
     Tree,
+    answer_failure,
     ready,
 )
+from bench.harness.raw_shards import KeptBodies
 
 JOB = struct.Struct("<QQQI")  # unique, inode, offset, size
 #: Reads handed to a replier that are answered EIO if it dies: far more than can be in
@@ -123,22 +125,6 @@ class DispatchingOperations(TreeOperations):
               "its files' reads fail from now on", file=sys.stderr, flush=True)
 
 
-class KeptBodies:
-    """Each file fetched whole by one GET the first time it is read, then kept. Only its
-    owner is asked for it, so nothing is handed between processes; two threads reading
-    one cold file at once may both fetch it (a GET more, nothing else)."""
-
-    def __init__(self, fetch: CurlBodies, tree: Tree) -> None:
-        self.fetch, self.tree = fetch, tree
-        self.kept: dict[int, bytes] = {}
-
-    def read(self, ino: int, offset: int, size: int) -> memoryview:
-        body = self.kept.get(ino)
-        if body is None:
-            body = self.kept[ino] = bytes(self.fetch.read(ino, 0, self.tree.size[ino]))
-        return memoryview(body)[offset:min(offset + size, len(body))]
-
-
 def reply_to_jobs(fd: int, job: socket.socket, bodies: Bodies, counts: Counter[str]) -> None:
     """Answer the jobs that come to this thread until the dispatcher goes."""
     while True:
@@ -151,16 +137,10 @@ def reply_to_jobs(fd: int, job: socket.socket, bodies: Bodies, counts: Counter[s
             data = bodies.read(ino, offset, size)
             os.writev(fd, [OUT_HEADER.pack(OUT_HEADER.size + len(data), 0, unique), data])
         except Exception as error:  # a GET that failed (pycurl.error) too: its reader waits
-            code = error.errno if isinstance(error, OSError) else None
-            if code == errno.ENODEV:  # unmounted
+            outcome = answer_failure(fd, unique, error)
+            if outcome == "gone":
                 return
-            if code == errno.ENOENT:  # the request was interrupted
-                continue
-            counts["EIO"] += 1
-            try:
-                os.write(fd, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO, unique))
-            except OSError:  # unmounted or interrupted meanwhile: nobody waits
-                continue
+            counts["EIO"] += outcome == "answered"
 
 
 def replier(args: argparse.Namespace, table: dict[str, Any], tree: Tree) -> Counter[str]:

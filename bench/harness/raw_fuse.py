@@ -27,6 +27,7 @@ answers on it, the GET with the GIL released. It exits when the connection ends
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -187,6 +188,21 @@ def init_reply(request: bytes | bytearray) -> bytes:
     return OUT_HEADER.pack(OUT_HEADER.size + len(body), 0, unique) + body
 
 
+def answer_failure(fd: int, unique: int, error: BaseException) -> str:
+    """Answer request `unique` EIO after `error` (a reader waits for every request's
+    answer): "answered"; "gone" when the connection has ended (ENODEV: the server should
+    stop); "interrupted" for a request the kernel gave up on (ENOENT: nothing to send).
+    An answer that cannot go (interrupted or unmounted meanwhile) is dropped."""
+    code = error.errno if isinstance(error, OSError) else None
+    if code == errno.ENODEV:
+        return "gone"
+    if code == errno.ENOENT:
+        return "interrupted"
+    with contextlib.suppress(OSError):
+        os.write(fd, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO, unique))
+    return "answered"
+
+
 def ready(stats: Path) -> None:
     """Say that this server has started (the driver measures nothing before every
     server has: a process's start-up is not a request's cost)."""
@@ -249,12 +265,9 @@ def serve(fd: int, tree: Tree, bodies: Bodies, counts: Counter[str]) -> None:
                 return
             else:
                 os.write(fd, reply(16, -errno.ENOSYS, unique))
-        except Exception as error:  # a reader waits for every request's answer
-            code = error.errno if isinstance(error, OSError) else None
-            if code == errno.ENODEV:
+        except Exception as error:
+            if answer_failure(fd, unique, error) == "gone":
                 return
-            if code != errno.ENOENT:  # ENOENT: the request was interrupted
-                os.write(fd, reply(16, -errno.EIO, unique))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,12 +27,31 @@ INODE = struct.Struct("<Q")
 CONNECT_S = 10.0  # the other processes bind their sockets as they start
 
 
+class KeptBodies:
+    """Each file fetched whole by one GET the first time it is read, then kept. No
+    single flight: two threads reading one cold file at once may both fetch it (a GET
+    more, nothing else)."""
+
+    def __init__(self, fetch: CurlBodies, tree: Tree) -> None:
+        self.fetch, self.tree = fetch, tree
+        self.kept: dict[int, bytes] = {}
+
+    def body(self, ino: int) -> bytes:
+        body = self.kept.get(ino)
+        if body is None:
+            body = self.kept[ino] = bytes(self.fetch.read(ino, 0, self.tree.size[ino]))
+        return body
+
+    def read(self, ino: int, offset: int, size: int) -> memoryview:
+        body = self.body(ino)
+        return memoryview(body)[offset:min(offset + size, len(body))]
+
+
 class OwnedBodies:
     def __init__(self, tree: Tree, fetch: CurlBodies, index: int, procs: int,
                  sockets: Path) -> None:
-        self.tree, self.fetch, self.index, self.procs = tree, fetch, index, procs
-        self.sockets = sockets
-        self.kept: dict[int, bytes] = {}
+        self.index, self.procs, self.sockets = index, procs, sockets
+        self.own = KeptBodies(fetch, tree)
         self.local = threading.local()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(self._path(index)))
@@ -44,14 +63,8 @@ class OwnedBodies:
 
     def read(self, ino: int, offset: int, size: int) -> memoryview:
         owner = ino % self.procs
-        body = self._own(ino) if owner == self.index else self._ask(owner, ino)
+        body = self.own.body(ino) if owner == self.index else self._ask(owner, ino)
         return memoryview(body)[offset:min(offset + size, len(body))]
-
-    def _own(self, ino: int) -> bytes:
-        body = self.kept.get(ino)
-        if body is None:
-            body = self.kept[ino] = bytes(self.fetch.read(ino, 0, self.tree.size[ino]))
-        return body
 
     def _accept(self) -> None:
         while True:
@@ -63,7 +76,7 @@ class OwnedBodies:
         with connection:
             asked = bytearray(INODE.size)
             while _receive(connection, memoryview(asked)):
-                body = self._own(INODE.unpack(asked)[0])
+                body = self.own.body(INODE.unpack(asked)[0])
                 connection.sendmsg([INODE.pack(len(body)), body])
 
     def _ask(self, owner: int, ino: int) -> bytearray:
