@@ -5,8 +5,9 @@
 #   bash bench/node_kit/build.sh [KIT_DIR]      # default .kit (keep it git-ignored)
 #
 # It holds cp312 builds of the daemon's packages (pyfuse3 with bucketfs's patch, built
-# here), libfuse3 and fusermount3, and SeaweedFS's `weed`, zstd-compressed: ~58 MB.
-# Needs: a Python 3.12 with headers (PY312, default `python3.12`), libfuse3-dev, zstd,
+# here), libfuse3 and fusermount3, and SeaweedFS's `weed`, xz-compressed: ~56 MB (xz,
+# not zstd: the node's image has no zstd, and Python's lzma unpacks xz anywhere).
+# Needs: a Python 3.12 with headers (PY312, default `python3.12`), libfuse3-dev, xz,
 # this checkout's .venv (its package versions are the ones packed).
 # On the node: bash bench/node_kit/run.sh STEP... (see that file).
 set -eu
@@ -38,7 +39,8 @@ find "$WORK/site/botocore/data" -mindepth 1 -maxdepth 1 -type d \
 find "$WORK/site" -name tests -type d -prune -exec rm -rf {} +
 cp "$(readlink -f /usr/lib/x86_64-linux-gnu/libfuse3.so.3)" "$WORK/site/libfuse3.so.3"
 cp "$(command -v fusermount3)" "$KIT/fusermount3"
-tar cf - -C "$WORK" site | zstd -19 -T0 -q -f -o "$KIT/site.tar.zst"
+rm -f "$KIT/site.tar.zst" "$KIT/weed.zst"  # an older kit's
+tar cf - -C "$WORK" site | xz -6 -T0 > "$KIT/site.tar.xz"
 WEED=$("$VENV_PY" -c "import sysconfig; print(sysconfig.get_path('scripts'))")/weed
-[ "$KIT/weed.zst" -nt "$WEED" ] || zstd -19 -T0 --long=27 -q -f -o "$KIT/weed.zst" "$WEED"
+[ "$KIT/weed.xz" -nt "$WEED" ] || xz -6 -T0 < "$WEED" > "$KIT/weed.xz"
 du -sh "$KIT"

@@ -2,7 +2,7 @@
 # On a GPU node with no network: unpack the kit that build.sh made (carried as .kit),
 # then run the benchmarks named, each cut off so that all end by DEADLINE seconds.
 #
-#   set -o pipefail; DEADLINE=545 bash bench/node_kit/run.sh dataplane gpu placement \
+#   set -o pipefail; DEADLINE=545 bash bench/node_kit/run.sh clones dataplane \
 #       2>&1 | tee $OUT/log.txt            # the `device` tool: carry [".kit"]
 #
 # STEP: smoke (a 200-file dataplane) | dataplane | gpu | placement | gets (the GET engine
@@ -14,9 +14,11 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PY=${PY:-python3}
 t0=$(date +%s)
+# Python's lzma unpacks the kit: the node's image has no zstd.
+unpack() { $PY -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$@"; }
 if [ ! -d /tmp/site ]; then
-  zstd -dq .kit/site.tar.zst -o /tmp/site.tar && tar xf /tmp/site.tar -C /tmp && rm /tmp/site.tar
-  zstd -dq .kit/weed.zst -o /tmp/site/bin/weed && chmod +x /tmp/site/bin/weed
+  unpack .kit/site.tar.xz /tmp/site.tar && tar xf /tmp/site.tar -C /tmp && rm /tmp/site.tar
+  unpack .kit/weed.xz /tmp/site/bin/weed && chmod +x /tmp/site/bin/weed
   cp .kit/fusermount3 /tmp/site/bin/ && chmod +x /tmp/site/bin/fusermount3
 fi
 for p in prefetch hints; do [ -e bucketfs/$p ] || ln -s ../$p bucketfs/$p; done
