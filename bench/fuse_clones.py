@@ -24,9 +24,10 @@ when it is answered without pyfuse3, trio and bucketfs's layers:
   - one pyfuse3 process dispatching every READ to the one of PROCS repliers that owns
     the file, which replies itself on the shared descriptor (no clones, nothing handed
     between processes; `bench/harness/dispatch_fuse.py`): cold, each file kept by its
-    replier, then warm; and from memory; and with bucketfs's own data path in each
-    replier (`bench/harness/bucketfs_replier.py`), cold and warm, and cold with an SSD
-    tier; each with the dispatcher's own CPU per file, the serial part;
+    replier, then warm; and from memory; and bucketfs's own dispatcher and data
+    processes (`bucketfs/dispatch.py`, `bucketfs/data_process.py`), cold and warm, and
+    cold with an SSD tier each; each with the dispatcher's own CPU per file, the serial
+    part;
 their CPU per file (all of the server's processes) and files/s, how the kernel spread
 the requests over the processes, and which requests it sent per file
 (harness/fuse_census.py, where perf can count them). `--sources` runs only some of the
@@ -65,7 +66,13 @@ from bench.dataplane import (
 )
 from bench.harness import raw_fuse
 from bench.harness.fuse_census import Census
-from bench.harness.procstats import cpu_seconds, self_cpu, thread_switches
+from bench.harness.procstats import (
+    cpu_seconds,
+    descendants,
+    own_cpu_seconds,
+    self_cpu,
+    thread_switches,
+)
 from bench.harness.saving import save_results
 from tests.servers import S3Server
 
@@ -89,7 +96,7 @@ def server_name(source: str, procs: int, threads: int) -> str:
     """A row's server: pyfuse3 (its own trio tasks) or raw_fuse (`threads` threads)."""
     processes = f"{procs} process{'es' * (procs > 1)}"
     if source.startswith("dispatch-bucketfs"):
-        return f"pyfuse3 dispatching to {procs} bucketfs replier{'s' * (procs > 1)}"
+        return f"pyfuse3 dispatching to {procs} bucketfs data process{'es' * (procs > 1)}"
     if source.startswith("dispatch"):
         return f"pyfuse3 dispatching to {procs} replier{'s' * (procs > 1)} x {threads} threads"
     return (f"pyfuse3, {processes}" if source == "pyfuse3"
@@ -126,7 +133,7 @@ def write_table(server: S3Server, keys: list[str], directory: Path,
     table = directory / "table.json"
     table.write_text(json.dumps({
         "rows": rows, "bodies": str(data),
-        # bucketfs_replier pins each read to its object's version, as bucketfs does.
+        # bucketfs's data processes pin each read to its object's version.
         "etags": {inode_of[k.removeprefix(f"{PREFIX}/")]: etags[k] for k in keys},
         "origin": {"endpoint": server.endpoint, "bucket": BUCKET, "region": server.region,
                    "access_key": server.access_key, "secret_key": server.secret_key}}))
@@ -144,7 +151,9 @@ class RawMount:
         self.mountpoint, self.table, self.source = mountpoint, table, source
         self.procs, self.threads = procs, threads
         self.servers: list[subprocess.Popen[bytes]] = []
-        count = procs + source.startswith("dispatch")  # the dispatcher first
+        # The dispatcher first; bucketfs's dispatcher starts its data processes itself.
+        count = (1 if source.startswith("dispatch-bucketfs")
+                 else procs + source.startswith("dispatch"))
         self.stats = [mountpoint.with_name(f"{mountpoint.name}-{i}.json") for i in range(count)]
 
     def __enter__(self) -> RawMount:
@@ -199,6 +208,11 @@ class RawMount:
         if self.source == "pyfuse3":
             return [(["bench.harness.pyfuse3_clone", "--init", str(init), *s], ())
                     for s in stats]
+        if self.source.startswith("dispatch-bucketfs"):
+            ssd = (["--cache-dir", str(self.sockets / "cache")]
+                   if self.source.endswith("-ssd") else [])
+            return [(["bench.harness.dispatch_fuse", "dispatcher", "--init", str(init),
+                      "--data-processes", str(self.procs), *ssd, *stats[0]], ())]
         if self.source.startswith("dispatch"):
             pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                      for _ in range(self.procs)]
@@ -215,19 +229,15 @@ class RawMount:
                 for index, s in enumerate(stats)]
 
     def _replier(self, index: int, jobs: int) -> list[str]:
-        """A dispatch source's replier `index`: dispatch_fuse's threads, or bucketfs's
-        data path (with an SSD tier of its own for "-ssd")."""
-        if self.source.startswith("dispatch-bucketfs"):
-            ssd = (["--cache-dir", str(self.sockets / f"cache-{index}")]
-                   if self.source.endswith("-ssd") else [])
-            return ["bench.harness.bucketfs_replier", "--jobs", str(jobs), "--procs",
-                    str(self.procs), *ssd]
+        """A dispatch source's replier `index`: dispatch_fuse's threads."""
         return ["bench.harness.dispatch_fuse", "replier", "--jobs", str(jobs), "--source",
                 "memory" if self.source == "dispatch-memory" else "kept",
                 "--threads", str(self.threads)]
 
     @property
     def pids(self) -> list[int]:
+        """The servers' processes (each counted with those it started: bucketfs's
+        dispatcher with its data processes)."""
         return [server.pid for server in self.servers]
 
     def __exit__(self, *exc: object) -> None:
@@ -250,7 +260,8 @@ class RawMount:
 def server_use(pids: list[int]) -> tuple[float, int]:
     """CPU seconds and voluntary context switches of the server's processes."""
     return (sum(cpu_seconds(pid) for pid in pids),
-            sum(n for pid in pids for _, n in thread_switches(pid).values()))
+            sum(n for pid in pids for member in descendants(pid)
+                for _, n in thread_switches(member).values()))
 
 
 def timed_pass(mountpoint: Path, rels: list[str], readers: int, pids: list[int],
@@ -263,10 +274,10 @@ def timed_pass(mountpoint: Path, rels: list[str], readers: int, pids: list[int],
     random.Random(len(order)).shuffle(order)
     with Census(mountpoint) as census:
         before, reader_before = server_use(pids), self_cpu()
-        lead_before = cpu_seconds(lead) if lead else 0.0
+        lead_before = own_cpu_seconds(lead) if lead else 0.0
         total, wall = parallel(order, readers, lambda rel: read_with_open(mountpoint / rel))
         after, reader_used = server_use(pids), self_cpu() - reader_before
-        lead_used = cpu_seconds(lead) - lead_before if lead else None
+        lead_used = own_cpu_seconds(lead) - lead_before if lead else None
     expected = sum(len(bodies[f"{PREFIX}/{rel}"]) for rel in rels)
     if total != expected:
         raise RuntimeError(f"read {total} bytes of {expected}")

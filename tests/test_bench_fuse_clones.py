@@ -3,11 +3,14 @@ connection served by one and by two processes."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import signal
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,8 @@ import pytest
 from bench import fuse_clones
 from bench.dataplane import BUCKET, make_dataset
 from bench.harness import raw_fuse
+from bench.harness.procstats import descendants
+from bucketfs.data_jobs import owner_of
 from tests.servers import S3Server
 
 pytestmark = [pytest.mark.fuse, pytest.mark.root]  # mount(2), drop_caches
@@ -33,17 +38,19 @@ def test_two_processes_share_one_connection_and_every_pass_is_measured(tmp_path,
                          ("bucketfs (RAM only)", "warm, RAM tier"),
                          ("bucketfs (--cache-dir)", "cold"), *passes}
     assert ("pyfuse3, 2 processes", "from memory, through pyfuse3") in rows
-    assert ("pyfuse3 dispatching to 2 bucketfs repliers",
+    assert ("pyfuse3 dispatching to 2 bucketfs data processes",
             "cold, bucketfs's data path, SSD tier on") in rows
     for row in rows.values():
         assert row["files"] == 60 and row["files_per_s"] > 0
     # The kernel handed the one connection's requests to both processes; a dispatcher
-    # answered the names and each of its repliers the reads of the files it owns.
+    # answered the names and each of its repliers the reads of the files it owns
+    # (bucketfs's dispatcher counts only its own: its data processes count none).
     serving = {fuse_clones.server_name(source, procs, threads): procs
                for procs, threads in ((1, 5), (2, 3)) for source in fuse_clones.SOURCE_PASSES}
     for server, name in passes:
         spread = rows[(server, name)]["requests_by_process"]
-        assert len(spread) == serving[server] + ("dispatching" in server)
+        assert len(spread) == (1 if "bucketfs data process" in server
+                               else serving[server] + ("dispatching" in server))
         assert min(spread) > 0
         lead = rows[(server, name)]["lead_cpu_ms_per_file"]
         assert (lead is not None) == ("dispatching" in server)
@@ -116,22 +123,7 @@ def test_a_replier_that_dies_fails_its_reads_and_nothing_else(tmp_path):
         where = mount.mountpoint / "d"
         assert (where / "b").read_bytes() == b"0123456789"  # replier 0: inodes 4, 6
         lost = mount.servers[2]  # after the dispatcher, replier 1: inodes 3 and 5
-        os.kill(lost.pid, signal.SIGSTOP)
-        outcome: dict[str, object] = {}
-
-        def read_c() -> None:
-            try:
-                outcome["bytes"] = (where / "c").read_bytes()
-            except OSError as error:
-                outcome["errno"] = error.errno
-
-        reader = threading.Thread(target=read_c)
-        reader.start()
-        reader.join(1.0)
-        assert reader.is_alive()  # its read waits on the stopped replier
-        os.kill(lost.pid, signal.SIGKILL)
-        reader.join(10.0)
-        assert not reader.is_alive() and outcome == {"errno": errno.EIO}
+        assert _read_while_its_server_dies(where / "c", lost.pid) == {"errno": errno.EIO}
         with pytest.raises(OSError) as later:
             (where / "a").read_bytes()
         assert later.value.errno == errno.EIO
@@ -140,33 +132,131 @@ def test_a_replier_that_dies_fails_its_reads_and_nothing_else(tmp_path):
     assert mount.spread()[0]["REPLIER_LOST"] == 1
 
 
-def test_a_bucketfs_replier_pins_each_read_to_its_version(tmp_path):
-    """bucketfs's data path behind the dispatcher serves exact bytes, and a read whose
-    object no longer has the version in the table is answered EIO, not wrong bytes."""
+@contextlib.contextmanager
+def _dispatching_bucketfs(tmp_path: Path, files: int, change: bool = False
+                          ) -> Iterator[tuple[fuse_clones.RawMount, list[str], dict[str, bytes]]]:
+    """A raw mount of `files` objects on SeaweedFS served by bucketfs's dispatcher and
+    two data processes; with `change`, the first object is replaced in the bucket after
+    its version went into the table."""
     with S3Server() as server:
-        # 22 files in 20 directories: the last two share one, so that both parities of
-        # inode, and so both repliers, have files.
-        keys, _ = make_dataset(server, 22, 4, 0)
+        keys, _ = make_dataset(server, files, 4, 0)
         table, bodies = fuse_clones.write_table(server, keys, tmp_path)
-        changed = keys[0]
-        server.client().put_object(Bucket=BUCKET, Key=changed, Body=b"a new version")
-        _read_through_bucketfs_repliers(tmp_path, table, keys, bodies, changed)
+        if change:
+            server.client().put_object(Bucket=BUCKET, Key=keys[0], Body=b"a new version")
+        try:
+            with fuse_clones.RawMount(tmp_path / "mnt", table, "dispatch-bucketfs", 2,
+                                      2) as mount:
+                yield mount, keys, bodies
+        finally:
+            Path(json.loads(table.read_text())["bodies"]).unlink(missing_ok=True)
 
 
-def _read_through_bucketfs_repliers(tmp_path: Path, table: Path, keys: list[str],
-                                    bodies: dict[str, bytes], changed: str) -> None:
-    layout = json.loads(table.read_text())
-    try:
-        with fuse_clones.RawMount(tmp_path / "mnt", table, "dispatch-bucketfs", 2,
-                                  2) as mount:
-            for key in keys[1:]:
-                path = mount.mountpoint / key.removeprefix("train/")
+def test_bucketfs_data_processes_pin_each_read_to_its_version(tmp_path):
+    """bucketfs's dispatcher and data processes serve exact bytes, each object from the
+    data process that owns it; a read whose object no longer has the version in the
+    table is answered EIO, not wrong bytes, and the dispatcher is told."""
+    with _dispatching_bucketfs(tmp_path, 22, change=True) as (mount, keys, bodies):
+        assert {owner_of(key, 2) for key in keys[1:]} == {0, 1}  # both serve some
+        # the dispatcher and its two data processes
+        assert len(descendants(mount.pids[0])) == 3
+        for key in keys[1:]:
+            assert (mount.mountpoint / key.removeprefix("train/")).read_bytes() == bodies[key]
+        with pytest.raises(OSError) as stale:
+            (mount.mountpoint / keys[0].removeprefix("train/")).read_bytes()
+        assert stale.value.errno == errno.EIO
+        time.sleep(1.5)  # a report of counters from each data process
+    (answered,) = mount.spread()
+    # (the kernel may ask again after an EIO: a notice each time)
+    assert answered["CHANGED"] >= 1 and "RESTARTS" not in answered
+    assert answered["READ"] >= len(keys)
+    # Summed over both data processes: a miss and a GET for each file served (and a GET
+    # for each read of the changed object, refused), and the failures.
+    counts = json.loads(mount.stats[0].with_name(mount.stats[0].name + ".data").read_text())
+    assert counts["cache_misses"] == len(keys) - 1
+    assert counts["origin_get"] == len(keys) - 1 + answered["CHANGED"]
+    assert counts["cache_origin_bytes"] >= sum(len(bodies[k]) for k in keys[1:])
+    assert counts["failed_reads"] == answered["CHANGED"]
+    assert counts["reads"] == answered["READ"]
+
+
+def test_a_data_process_that_dies_fails_its_waiting_reads_and_is_started_again(tmp_path):
+    """A read waiting on a data process that dies is answered EIO, not left waiting;
+    the dispatcher starts the process again, and its objects are served again."""
+    with _dispatching_bucketfs(tmp_path, 22) as (mount, keys, bodies):
+        key = next(k for k in keys if owner_of(k, 2) == 1)
+        other = next(k for k in keys if owner_of(k, 2) == 0)
+        path = mount.mountpoint / key.removeprefix("train/")
+        lost = _data_process(mount.pids[0], 1)
+        assert _read_while_its_server_dies(path, lost) == {"errno": errno.EIO}
+        other_path = mount.mountpoint / other.removeprefix("train/")
+        assert other_path.read_bytes() == bodies[other]  # the other one serves
+        deadline = time.monotonic() + 20
+        while True:  # started again after a pause
+            try:
                 assert path.read_bytes() == bodies[key]
-            with pytest.raises(OSError) as stale:
-                (mount.mountpoint / changed.removeprefix("train/")).read_bytes()
-            assert stale.value.errno == errno.EIO
-        answered = mount.spread()
-        assert sum(s.get("EIO", 0) for s in answered[1:]) >= 1
-        assert all(s.get("READ", 0) > 0 for s in answered[1:])  # both repliers served
-    finally:
-        Path(layout["bodies"]).unlink(missing_ok=True)
+                break
+            except OSError as error:
+                assert error.errno == errno.EIO and time.monotonic() < deadline
+                time.sleep(0.1)
+        assert _data_process(mount.pids[0], 1) != lost
+    (answered,) = mount.spread()
+    assert answered["RESTARTS"] == 1
+
+
+def _data_process(dispatcher: int, index: int) -> int:
+    """The pid of the dispatcher's data process `index` (its command line says)."""
+    for child in descendants(dispatcher)[1:]:
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        if b"bucketfs.data_process" in argv and argv[argv.index(b"--index") + 1] == \
+                str(index).encode():
+            return child
+    raise LookupError(f"no data process {index} under {dispatcher}")
+
+
+def test_data_processes_do_not_outlive_their_dispatcher(tmp_path):
+    """A dispatcher killed outright takes its data processes with it (the kernel's
+    parent-death signal), so none holds the mount's connection open: the mount's
+    readers get an error, not a wait."""
+    with _dispatching_bucketfs(tmp_path, 4) as (mount, keys, _):
+        dispatcher, *data = descendants(mount.pids[0])
+        assert len(data) == 2
+        for pid in data:  # stuck: they would never see their socket close
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(dispatcher, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in data):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(OSError) as gone:
+            (mount.mountpoint / keys[0].removeprefix("train/")).read_bytes()
+        assert gone.value.errno == errno.ENOTCONN
+
+
+def _running(pid: int) -> bool:
+    """Not yet exited (a zombie has: only its parent's wait is left)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _read_while_its_server_dies(path: Path, server: int) -> dict[str, object]:
+    """Read `path` while process `server`, which serves it, is stopped; check that the
+    read waits; kill the process; the read's outcome (its bytes or its errno)."""
+    os.kill(server, signal.SIGSTOP)
+    outcome: dict[str, object] = {}
+
+    def read() -> None:
+        try:
+            outcome["bytes"] = path.read_bytes()
+        except OSError as error:
+            outcome["errno"] = error.errno
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join(1.0)
+    assert reader.is_alive()  # its read waits on the stopped process
+    os.kill(server, signal.SIGKILL)
+    reader.join(10.0)
+    assert not reader.is_alive()
+    return outcome

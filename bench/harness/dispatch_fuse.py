@@ -16,6 +16,8 @@ serial part: a mount's ceiling of files/s on any number of cores.
                                           --jobs J1,J2,... --stats F
     python -m bench.harness.dispatch_fuse replier --fd N --table F --jobs J
                                           --source memory|kept --threads T --stats F
+    python -m bench.harness.dispatch_fuse dispatcher --fd N --table F --init F
+                                          --data-processes P [--cache-dir D] --stats F
 
 A replier's threads each take a job (one datagram of a SOCK_SEQPACKET socket goes to
 one of them), read the bytes (`memory`: raw_fuse.MemoryBodies; `kept`: the whole file
@@ -24,6 +26,11 @@ the reply, the GIL released in the GET and the write. Both exit when the connect
 ends; a replier also when the dispatcher's end of its socket closes. Should a replier
 die, the reads waiting on it are answered EIO, and so are later reads of its files
 (DispatchingOperations says how).
+
+With `--data-processes P` the dispatcher is bucketfs's own (bucketfs/dispatch.py): it
+starts P data processes (bucketfs/data_process.py, each with its share of the RAM tier
+and, with `--cache-dir`, an SSD tier of its own), hands each READ to the owner of its
+object, pinned to the object's ETag, and starts a data process again should it die.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ from bench.harness.raw_fuse import (
     ready,
 )
 from bench.harness.raw_shards import KeptBodies
+from bucketfs.data_jobs import Job, Setup
+from bucketfs.dispatch import DataProcesses
 
 JOB = struct.Struct("<QQQI")  # unique, inode, offset, size
 #: Reads handed to a replier that are answered EIO if it dies: far more than can be in
@@ -125,6 +134,40 @@ class DispatchingOperations(TreeOperations):
               "its files' reads fail from now on", file=sys.stderr, flush=True)
 
 
+class DataDispatchingOperations(TreeOperations):
+    """TreeOperations whose reads go to bucketfs's data processes, by object key, each
+    pinned to the object's version (the table's ETag)."""
+
+    read_unique = True
+
+    def __init__(self, tree: Tree, versions: dict[int, str], data: DataProcesses) -> None:
+        super().__init__(tree, bodies=None)  # type: ignore[arg-type]
+        self.versions, self.data = versions, data
+
+    async def read(self, fh: int, off: int, size: int, unique: int = 0) -> Any:
+        self.counts["READ"] += 1
+        job = Job(unique, self.tree.key[fh], self.versions[fh], self.tree.size[fh], off, size)
+        if await self.data.send(job):
+            return pyfuse3.REPLIED_ELSEWHERE
+        raise pyfuse3.FUSEError(errno.EIO)
+
+
+def data_setups(table: dict[str, Any], count: int, cache_dir: str | None) -> list[Setup]:
+    """Each data process's setup for the table's bucket, as a bucketfs mount of it with
+    `count` data processes would make them."""
+    origin = table["origin"]
+    # The origin's credentials, where a bucketfs mount finds them; the data processes
+    # inherit them.
+    os.environ.update({"AWS_ACCESS_KEY_ID": origin["access_key"],
+                       "AWS_SECRET_ACCESS_KEY": origin["secret_key"],
+                       "AWS_EC2_METADATA_DISABLED": "true"})
+    options = {"endpoint_url": origin["endpoint"], "region": origin["region"],
+               "addressing_style": "path"}
+    return [Setup(f"s3://{origin['bucket']}/", options, index, count,
+                  None if cache_dir is None else f"{cache_dir}/data-{index}",
+                  origin["endpoint"]) for index in range(count)]
+
+
 def reply_to_jobs(fd: int, job: socket.socket, bodies: Bodies, counts: Counter[str]) -> None:
     """Answer the jobs that come to this thread until the dispatcher goes."""
     while True:
@@ -159,25 +202,44 @@ def replier(args: argparse.Namespace, table: dict[str, Any], tree: Tree) -> Coun
     return sum(counts, Counter())
 
 
-def dispatcher(args: argparse.Namespace, tree: Tree) -> Counter[str]:
+def dispatcher(args: argparse.Namespace, table: dict[str, Any], tree: Tree) -> Counter[str]:
     jobs = [socket.socket(fileno=fd) for fd in args.jobs]
-    operations = DispatchingOperations(tree, jobs, args.fd)
+    data, changed, data_counts = None, list[str](), dict[str, int]()
+    if args.data_processes:
+        data = DataProcesses(data_setups(table, args.data_processes, args.cache_dir),
+                             args.fd, on_changed=changed.append)
+        operations: TreeOperations = DataDispatchingOperations(
+            tree, {int(ino): etag for ino, etag in table["etags"].items()}, data)
+    else:
+        operations = DispatchingOperations(tree, jobs, args.fd)
     pyfuse3.init(operations, f"/dev/fd/{args.fd}", set())
     pyfuse3.take_init(args.init.read_bytes())
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
-            for owner in range(len(jobs)):
-                nursery.start_soon(operations.watch, owner)
+            if data is not None:
+                await nursery.start(data.run)
+                await data.wait_ready()
+            else:
+                for owner in range(len(jobs)):
+                    nursery.start_soon(operations.watch, owner)  # type: ignore[attr-defined]
+            ready(args.stats)
             await pyfuse3.main(args.tasks, args.tasks)
+            if data is not None:
+                data_counts.update(data.counts())  # as of the last report: before close
+                await data.close()
             nursery.cancel_scope.cancel()
 
-    ready(args.stats)
     try:
         trio.run(serve)
     finally:
         for job in jobs:  # the repliers see their socket end and exit
             job.close()
+    if data is not None:  # events, not requests: only those that happened
+        operations.counts.update({name: n for name, n in (("CHANGED", len(changed)),
+                                                          ("RESTARTS", data.restarts)) if n})
+        # The data processes' own counters, beside the requests (spread() sums those).
+        args.stats.with_name(args.stats.name + ".data").write_text(json.dumps(data_counts))
     return operations.counts
 
 
@@ -187,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--table", type=Path, required=True)
     parser.add_argument("--jobs", type=lambda s: [int(fd) for fd in s.split(",")],
-                        required=True)
+                        default=[])
+    parser.add_argument("--data-processes", type=int, default=0,
+                        help="bucketfs's data processes in place of repliers (dispatcher)")
+    parser.add_argument("--cache-dir", help="their SSD tiers' parent (dispatcher)")
     parser.add_argument("--stats", type=Path, required=True)
     parser.add_argument("--init", type=Path, help="the INIT answered (dispatcher)")
     parser.add_argument("--tasks", type=int, default=16, help="pyfuse3's (dispatcher)")
@@ -196,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     table = json.loads(args.table.read_text())
     tree = Tree(table["rows"])
-    counts = (dispatcher(args, tree) if args.role == "dispatcher"
+    counts = (dispatcher(args, table, tree) if args.role == "dispatcher"
               else replier(args, table, tree))
     args.stats.write_text(json.dumps(counts))
     return 0

@@ -29,6 +29,12 @@ def self_cpu() -> float:
     return times.user + times.system
 
 
+def own_cpu_seconds(pid: int) -> float:
+    """User + system time of process pid alone (all its threads), not its children."""
+    fields = _stat_fields(pid)
+    return 0.0 if fields is None else sum(int(v) for v in fields[11:13]) / _TICK
+
+
 def descendants(pid: int) -> list[int]:
     """pid and every live process below it."""
     children: dict[int, list[int]] = {}
