@@ -8,7 +8,8 @@
 # STEP: smoke (a 200-file dataplane) | dataplane | gpu | placement | gets (the GET engine
 # against obstore, bench.large_gets) | clones (more than one serving process on one FUSE
 # connection, bench.fuse_clones: clones splitting a cache, and one process dispatching
-# reads to minimal repliers and to bucketfs's data path). Results go to $OUT.
+# reads to minimal repliers and to bucketfs's data processes) | clones64 (the same with 64
+# readers and 4 or 8 processes). Results go to $OUT.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -40,6 +41,8 @@ for step in "$@"; do
     placement) timeout $left $PY -m bench.placement --files 4000 --rounds 1 --variants all,cpus4,cpus2 --out "$OUT" ;;
     gets) timeout $(( left < 120 ? left : 120 )) $PY -m bench.large_gets --mib 1024 --rounds 2 --out "$OUT" ;;
     clones) timeout $(( left < 300 ? left : 300 )) $PY -m bench.fuse_clones --files 4000 --procs 1,2,4,8 --sources owned,dispatch,dispatch-bucketfs,dispatch-bucketfs-ssd --out "$OUT" ;;
+    # Whether more readers lift the ~4,000 files/s every shape stopped at with 16.
+    clones64) timeout $(( left < 240 ? left : 240 )) $PY -m bench.fuse_clones --files 8000 --readers 64 --procs 4,8 --sources owned,dispatch,dispatch-bucketfs --out "$OUT" ;;
   esac
   echo "=== $step rc=$? $(( $(date +%s) - s )) s"
 done
