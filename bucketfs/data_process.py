@@ -56,6 +56,7 @@ from bucketfs.data_jobs import (
     notice,
     unpack_job,
 )
+from bucketfs.logs import Throttle, held_back
 from bucketfs.mount import backend_settings, eviction_policy
 from bucketfs.reader import ByteBudget, OpenFile, Reader, ReadSettings
 
@@ -67,6 +68,7 @@ _READ_STATES = 4096
 _PR_SET_PDEATHSIG = 1
 #: How often a data process sends its counters.
 COUNTS_EVERY_S = 1.0
+_throttle = Throttle(60.0)
 
 
 class JobServer:
@@ -112,12 +114,12 @@ class JobServer:
         try:
             data = await self.reader.read(self._state(job), job.offset, job.size)
         except VersionChanged:
-            log.warning("object %r changed in the bucket while open; reads of the old "
-                        "version fail, new opens get the new version", job.key)
+            self._warn("changed", "object %r changed in the bucket while open; reads of "
+                       "the old version fail, new opens get the new version", job.key)
             self.tell(notice(CHANGED, job.key))
             self._fail(job.unique)
         except Exception as exc:
-            log.warning("read of %r failed: %s", job.key, exc)
+            self._warn(type(exc).__name__, "read of %r failed: %s", job.key, exc)
             self._fail(job.unique)
         else:
             try:
@@ -129,6 +131,13 @@ class JobServer:
                 if exc.errno not in (errno.ENOENT, errno.ENODEV):
                     log.warning("reply to a read of %r failed: %s", job.key, exc)
                     self._fail(job.unique)
+
+    def _warn(self, kind: str, message: str, *args: object) -> None:
+        """A line at most once a minute per kind (as fs.py's): a reader rereading a file
+        the bucket refuses must not fill the log's disk."""
+        held = _throttle.admit(kind)
+        if held is not None:
+            log.warning(message + "%s", *args, held_back(held))
 
     def _fail(self, unique: int) -> None:
         self.failures += 1
