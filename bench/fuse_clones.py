@@ -276,7 +276,9 @@ def timed_pass(mountpoint: Path, rels: list[str], readers: int, pids: list[int],
         before, reader_before = server_use(pids), self_cpu()
         lead_before = own_cpu_seconds(lead) if lead else 0.0
         total, wall = parallel(order, readers, lambda rel: read_with_open(mountpoint / rel))
-        after, reader_used = server_use(pids), self_cpu() - reader_before
+        # The readers' clock first: server_use's walk of /proc is not theirs.
+        reader_used = self_cpu() - reader_before
+        after = server_use(pids)
         lead_used = own_cpu_seconds(lead) - lead_before if lead else None
     expected = sum(len(bodies[f"{PREFIX}/{rel}"]) for rel in rels)
     if total != expected:
