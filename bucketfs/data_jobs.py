@@ -22,6 +22,8 @@ from typing import Any
 #: unique, offset, the object's size, the read's size, the key's and the version's
 #: lengths in bytes; the key and the version follow.
 _JOB = struct.Struct("<QQQIHH")
+#: Where in a job its key's length is (after unique, offset, object size, read size).
+_KEY_LENGTH, _KEY_LENGTH_AT = struct.Struct("<H"), struct.calcsize("<QQQI")
 #: The largest job: S3 and GCS keys are at most 1,024 bytes, versions (ETags,
 #: generations) far shorter.
 JOB_MAX = _JOB.size + 2 * 65535
@@ -70,6 +72,13 @@ def owner_of(key: str, count: int) -> int:
     """The data process that serves `key`: the same for a key whatever the order of
     reads, and again after a remount with as many processes (their SSD shards)."""
     return zlib.crc32(key.encode(*_ENCODING)) % count
+
+
+def owner_of_job(message: bytes, count: int) -> int:
+    """`owner_of` the key in a packed job, from its bytes there (the dispatcher's one
+    encoding of the key per read)."""
+    key_length = _KEY_LENGTH.unpack_from(message, _KEY_LENGTH_AT)[0]
+    return zlib.crc32(memoryview(message)[_JOB.size:_JOB.size + key_length]) % count
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,14 +28,12 @@ import logging
 import os
 import signal
 import socket
-import struct
 import sys
 
 import trio
 
 from bucketfs.backends import open_backend
 from bucketfs.backends.base import VersionChanged
-from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
 from bucketfs.backends.urls import parse_bucket_url
 from bucketfs.cache.disk import CacheDirError, DiskTier
@@ -56,15 +54,14 @@ from bucketfs.data_jobs import (
     notice,
     unpack_job,
 )
+from bucketfs.fs import READ_STATES
+from bucketfs.fuse_replies import fail, reply
 from bucketfs.logs import Throttle, held_back
-from bucketfs.mount import backend_settings, eviction_policy
+from bucketfs.mount import backend_settings, eviction_policy, retry_policy
 from bucketfs.reader import ByteBudget, OpenFile, Reader, ReadSettings
 
 log = logging.getLogger(__name__)
 
-_OUT_HEADER = struct.Struct("<IiQ")  # fuse_out_header: length, error, unique
-#: Read states kept (the daemon's own bound, fs._READ_STATES).
-_READ_STATES = 4096
 _PR_SET_PDEATHSIG = 1
 #: How often a data process sends its counters.
 COUNTS_EVERY_S = 1.0
@@ -106,7 +103,7 @@ class JobServer:
             state = self.states[name] = self.reader.open(job.key, job.version,
                                                          job.object_size)
         self.states.move_to_end(name)
-        if len(self.states) > _READ_STATES:
+        if len(self.states) > READ_STATES:
             self.states.popitem(last=False)
         return state
 
@@ -123,8 +120,7 @@ class JobServer:
             self._fail(job.unique)
         else:
             try:
-                os.writev(self.fuse_fd, [
-                    _OUT_HEADER.pack(_OUT_HEADER.size + len(data), 0, job.unique), data])
+                reply(self.fuse_fd, job.unique, data)
             except OSError as exc:
                 # ENOENT: the reader was interrupted; ENODEV: unmounted. Either way
                 # nobody waits for this answer.
@@ -141,8 +137,7 @@ class JobServer:
 
     def _fail(self, unique: int) -> None:
         self.failures += 1
-        with contextlib.suppress(OSError):  # interrupted or unmounted meanwhile
-            os.write(self.fuse_fd, _OUT_HEADER.pack(_OUT_HEADER.size, -errno.EIO, unique))
+        fail(self.fuse_fd, unique)
 
     def counts(self) -> Counts:
         """What this process has done, for the dispatcher's status and metrics."""
@@ -195,9 +190,8 @@ async def serve(setup: Setup, fuse_fd: int, jobs: socket.socket) -> JobServer:
     """Serve jobs until the dispatcher's end closes; the server, for its counts."""
     config = Config(setup.options)
     backend = open_backend(parse_bucket_url(setup.url), backend_settings(config))
-    retry = RetryPolicy(config.retry_attempts, config.retry_base_delay,
-                        config.retry_max_delay)
-    store = ObjectStore(backend, max_workers=config.max_connections, retry=retry)
+    store = ObjectStore(backend, max_workers=config.max_connections,
+                        retry=retry_policy(config))
     disk = open_shard(setup, config)
     budget = max(config.block_size, config.readahead_budget // setup.count)
     try:

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import json
 import logging
 import os
 import socket
-import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -44,10 +42,11 @@ from bucketfs.data_jobs import (
     Job,
     Setup,
     add_counts,
-    owner_of,
+    owner_of_job,
     pack_job,
     read_notice,
 )
+from bucketfs.fuse_replies import fail_all
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,6 @@ RESTART_DELAY_MAX_S = 30.0
 HEALTHY_S = 60.0
 #: How long a data process may take to flush and exit at unmount before it is killed.
 EXIT_S = 30.0
-_OUT_HEADER = struct.Struct("<IiQ")
 
 
 class _Process:
@@ -86,10 +84,8 @@ class DataProcesses:
                  on_changed: Callable[[str], None]) -> None:
         self.setups, self.fuse_fd, self.on_changed = setups, fuse_fd, on_changed
         self.slots = [_Process() for _ in setups]
-        #: Data processes started again after one died, and the reads their deaths
-        #: failed (the status and the metrics read them).
+        #: Data processes started again after one died.
         self.restarts = 0
-        self.failed_reads = 0
         #: What data processes that died had counted, so that the sums never go back.
         self.retired: Counts = {}
         self._closing = False
@@ -97,10 +93,6 @@ class DataProcesses:
     @property
     def count(self) -> int:
         return len(self.slots)
-
-    @property
-    def alive(self) -> int:
-        return sum(slot.socket is not None for slot in self.slots)
 
     async def wait_ready(self) -> None:
         """Until every data process running now has built its data path."""
@@ -116,9 +108,6 @@ class DataProcesses:
             add_counts(total, slot.counts)
         return total
 
-    def pids(self) -> list[int]:
-        return [slot.child.pid for slot in self.slots if slot.child is not None]
-
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         """Start every data process, then keep each running until `close`."""
@@ -131,8 +120,8 @@ class DataProcesses:
 
     async def send(self, job: Job) -> bool:
         """Hand `job` to its owner; False if the owner is not running (answer EIO)."""
-        slot = self.slots[owner_of(job.key, self.count)]
         message = pack_job(job)
+        slot = self.slots[owner_of_job(message, self.count)]
         while (sock := slot.socket) is not None:
             try:
                 sock.send(message)
@@ -232,21 +221,10 @@ class DataProcesses:
         if sock is not None:
             trio.lowlevel.notify_closing(sock)
             sock.close()
-        answered = 0
-        for unique in slot.recent:
-            try:
-                os.write(self.fuse_fd, _OUT_HEADER.pack(_OUT_HEADER.size, -errno.EIO,
-                                                        unique))
-                answered += 1
-            except OSError as exc:
-                if exc.errno == errno.ENODEV:  # unmounted: nobody waits any more
-                    break
-                if exc.errno != errno.ENOENT:  # ENOENT: answered already
-                    log.warning("cannot answer a read EIO: %s", exc.strerror)
+        answered = fail_all(self.fuse_fd, slot.recent)
         slot.recent.clear()
         add_counts(self.retired, slot.counts)
         slot.counts = {}
-        self.failed_reads += answered
         return answered
 
     async def _reap(self, slot: _Process) -> str:

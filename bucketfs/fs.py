@@ -32,7 +32,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 #: Files whose read state is kept when the kernel opens files itself (`Operations`);
 #: fewer when the RAM tier cannot hold a block, since each state then keeps its last
 #: block (`OpenFile.last`) outside every budget, as an open handle does.
-_READ_STATES = 4096
+READ_STATES = 4096
 _READ_STATES_WITH_BLOCKS = 64
 #: Files the kernel looked up last, kept by inode until their first read: the READ that
 #: follows a LOOKUP (the kernel opening the file itself) takes its entry from here, not
@@ -124,7 +124,7 @@ class Operations(pyfuse3.Operations):
         #: With kernel_opens: per inode, the read state of its latest reader (an LRU).
         self.read_states: collections.OrderedDict[int, tuple[DirEntry, OpenFile]] = \
             collections.OrderedDict()
-        self.read_states_limit = _READ_STATES if reader.cache.keeps_in_ram(
+        self.read_states_limit = READ_STATES if reader.cache.keeps_in_ram(
             reader.block_size) else _READ_STATES_WITH_BLOCKS
         self.namespace = namespace
         self.reader = reader

@@ -220,9 +220,8 @@ async def _serve(
     info: MountInfo, backend: Backend, ready: Callable[[list[str]], None]
 ) -> None:
     config = info.config
-    retry = RetryPolicy(config.retry_attempts, config.retry_base_delay, config.retry_max_delay)
-    store = ObjectStore(backend, max_workers=config.max_connections, retry=retry,
-                        page_size=config.list_page_size)
+    store = ObjectStore(backend, max_workers=config.max_connections,
+                        retry=retry_policy(config), page_size=config.list_page_size)
     warnings: list[str] = []
     if unused := options_for_other_buckets(config, info.url.scheme):
         warnings.append(f"{', '.join(unused)}: for another kind of bucket; nothing for "
@@ -452,6 +451,12 @@ def _kernel_forgets_name(parent: int, name: str) -> None:
 
 def _file_of_block(block: Hashable) -> Hashable:
     return block.key if isinstance(block, BlockId) else block
+
+
+def retry_policy(config: Config) -> RetryPolicy:
+    """The mount's one retry policy for reads (its data processes' too)."""
+    return RetryPolicy(config.retry_attempts, config.retry_base_delay,
+                       config.retry_max_delay)
 
 
 def eviction_policy(config: Config) -> EvictionPolicy:

@@ -12,6 +12,7 @@ from bucketfs.data_jobs import (
     Setup,
     notice,
     owner_of,
+    owner_of_job,
     pack_job,
     read_notice,
     unpack_job,
@@ -23,6 +24,7 @@ def test_a_job_comes_back_as_it_was_sent():
         job = Job(2**63 + 5, key, '"d41d8cd98f00b204e9800998ecf8427e-3"', 10**12,
                   2**40, 1 << 20)
         assert unpack_job(pack_job(job)) == job
+        assert owner_of_job(pack_job(job), 7) == owner_of(key, 7)
 
 
 def test_a_job_cut_short_or_padded_is_refused():

@@ -11,7 +11,7 @@ import trio
 
 from bucketfs.cache.blocks import ObjectRef
 from bucketfs.cache.schema import DirEntry
-from bucketfs.fs import _LOOKED_UP, _READ_STATES, _READ_STATES_WITH_BLOCKS, Operations
+from bucketfs.fs import _LOOKED_UP, _READ_STATES_WITH_BLOCKS, READ_STATES, Operations
 from bucketfs.reader import OpenFile, ReadSettings
 
 BLOCK = 4 * 1024**2
@@ -69,7 +69,7 @@ def test_a_read_within_a_file_keeps_its_state_and_a_read_at_its_start_renews_it(
 
 def test_a_ram_tier_that_holds_blocks_keeps_4096_states():
     ops = operations(ram_capacity=64 * BLOCK)
-    assert ops.read_states_limit == _READ_STATES == 4096
+    assert ops.read_states_limit == READ_STATES == 4096
     for inode in range(2, 5000):
         ops._read_state(inode, 0)
     assert len(ops.read_states) == 4096

@@ -53,7 +53,6 @@ import trio
 
 from bench.harness.pyfuse3_clone import TreeOperations
 from bench.harness.raw_fuse import (
-    OUT_HEADER,
     Bodies,
     CurlBodies,
     MemoryBodies,
@@ -64,6 +63,7 @@ from bench.harness.raw_fuse import (
 from bench.harness.raw_shards import KeptBodies
 from bucketfs.data_jobs import Job, Setup
 from bucketfs.dispatch import DataProcesses
+from bucketfs.fuse_replies import fail_all, reply
 
 JOB = struct.Struct("<QQQI")  # unique, inode, offset, size
 #: Reads handed to a replier that are answered EIO if it dies: far more than can be in
@@ -120,16 +120,7 @@ class DispatchingOperations(TreeOperations):
             return
         self.alive[owner] = False
         self.counts["REPLIER_LOST"] += 1
-        answered = 0
-        for unique in self.recent[owner]:
-            try:
-                os.write(self.fd, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO, unique))
-                answered += 1
-            except OSError as error:
-                if error.errno == errno.ENODEV:  # unmounted: nobody waits any more
-                    break
-                if error.errno != errno.ENOENT:  # ENOENT: answered already
-                    raise
+        answered = fail_all(self.fd, self.recent[owner])
         print(f"replier {owner} went away: {answered} reads waiting on it answered EIO, "
               "its files' reads fail from now on", file=sys.stderr, flush=True)
 
@@ -178,7 +169,7 @@ def reply_to_jobs(fd: int, job: socket.socket, bodies: Bodies, counts: Counter[s
         counts["READ"] += 1
         try:
             data = bodies.read(ino, offset, size)
-            os.writev(fd, [OUT_HEADER.pack(OUT_HEADER.size + len(data), 0, unique), data])
+            reply(fd, unique, data)
         except Exception as error:  # a GET that failed (pycurl.error) too: its reader waits
             outcome = answer_failure(fd, unique, error)
             if outcome == "gone":

@@ -27,7 +27,6 @@ answers on it, the GET with the GIL released. It exits when the connection ends
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -45,6 +44,7 @@ from urllib.parse import quote
 import pycurl
 
 from bench.harness.raw_shards import OwnedBodies
+from bucketfs.fuse_replies import OUT_HEADER, fail
 
 #: _IOR(229, 0, uint32_t): a new descriptor reading the same connection.
 FUSE_DEV_IOC_CLONE = 0x8004E500
@@ -59,7 +59,6 @@ NO_REPLY = {FORGET, INTERRUPT, BATCH_FORGET}
 # The kernel's structs (include/uapi/linux/fuse.h); "head": the fields before those
 # that this server neither reads nor sends.
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # fuse_in_header
-OUT_HEADER = struct.Struct("<IiQ")  # fuse_out_header
 ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr
 ENTRY_OUT = struct.Struct("<QQQQII")  # fuse_entry_out's head, its fuse_attr after
 ATTR_OUT = struct.Struct("<QII")  # fuse_attr_out's head, its fuse_attr after
@@ -198,8 +197,7 @@ def answer_failure(fd: int, unique: int, error: BaseException) -> str:
         return "gone"
     if code == errno.ENOENT:
         return "interrupted"
-    with contextlib.suppress(OSError):
-        os.write(fd, OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO, unique))
+    fail(fd, unique)
     return "answered"
 
 
