@@ -303,6 +303,8 @@ class Mount:
         """Wait until the daemon has nothing queued for SSD and nothing read ahead in
         flight (its status, polled every 50 ms)."""
         target = Target(str(self.mountpoint.resolve()), os.getuid())
+        if "--data-processes" in self.args:
+            time.sleep(1.2)  # their figures in the status are up to a second old
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             report = status(target)
@@ -460,6 +462,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             drop_page_cache()
             passes["warm, RAM tier, daemon opens"] = mnt.read_all(rel, args.readers)
             passes["warm, page cache, daemon opens"] = mnt.read_all(rel, args.readers)
+        if args.data_processes:
+            # The daemon as dispatcher, its data processes serving the reads
+            # (docs/DATA_PROCESSES.md): the daemon's CPU here includes theirs (they are
+            # its children); its event loop's is the serial part.
+            procs = ["--data-processes", str(args.data_processes)]
+            name = f"{args.data_processes} data processes"
+            with Mount(server, work_dir / "data", [*ram, *procs, "--cache-dir",
+                                                   str(cache_root / "cache-data")]) as mnt:
+                mnt.list_tree(rel)
+                with Profiler(profile, mnt.pid, "cold-data-processes"):
+                    passes[f"cold, --cache-dir, {name}"] = mnt.read_all(rel, args.readers)
+                drop_page_cache()
+                passes[f"warm, RAM tier, {name}"] = mnt.read_all(rel, args.readers)
+                passes[f"warm, page cache, {name}"] = mnt.read_all(rel, args.readers)
         results["passes"] = passes
         if args.large_mib:
             large_rows = []
@@ -504,6 +520,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row = {"memory_backed_first": True, "from_ssd_tier": True,
                        "backing_cpu_s": back_memory(backing_gib)}
                 large_rows.append(mnt.dd(large_name) | row)
+            if args.data_processes:
+                with Mount(server, work_dir / "large",
+                           [*ram, "--data-processes", str(args.data_processes),
+                            "--cache-dir", str(cache_root / "cache-large-data")],
+                           prefix="large") as mnt:
+                    drop_page_cache()
+                    row = {"memory_backed_first": True,
+                           "data_processes": args.data_processes,
+                           "backing_cpu_s": back_memory(backing_gib)}
+                    large_rows.append(mnt.dd(large_name) | row)
             base = obstore_large(server, large, args.large_mib * MiB)
             if base is not None:
                 large_rows.append(base)
@@ -534,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-root", type=Path, default=None,
                         help="where the mounts' cache directories go (default: the "
                              "system's temporary directory)")
+    parser.add_argument("--data-processes", type=int, default=0,
+                        help="also mount with this many data processes (cold, warm and "
+                             "a large object's passes)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     results = run(args)

@@ -32,6 +32,8 @@ def report(results: dict[str, Any]) -> str:
                 backed = ", from the SSD tier (remounted)" + backed
             if row.get("small_ram_tier"):
                 backed = f", RAM tier {row['small_ram_tier']}" + backed
+            if row.get("data_processes"):
+                backed = f", {row['data_processes']} data processes" + backed
             if row.get("ram_only"):
                 backed = (", again from the RAM tier (page cache dropped)"
                           if row.get("from_ram_tier") else ", no SSD tier" + backed)

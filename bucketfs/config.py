@@ -237,6 +237,12 @@ OPTIONS: tuple[Option, ...] = (
            "list such as 8-11; on a 16-core node 4 served as many files/s at 10 to 15 "
            "percent less CPU per file (bucketfs/placement.py; default: every core)",
            None),
+    Option("mount", "data_processes", _bounded_int(0, 64), 0,
+           "processes that serve reads beside the daemon, each owning a share of the "
+           "objects, its share of the RAM, read-ahead and SSD budgets, and writing its "
+           "replies to the kernel itself (docs/DATA_PROCESSES.md); 0: the daemon serves "
+           "every read. Needs the pyfuse3 that `make venv` builds; hints, packing, warm "
+           "and the shared tier are off with them for now", "0"),
     Option("mount", "log_level", _choice("debug", "info", "warning", "error"), "info",
            "log verbosity", '"info"'),
     Option("mount", "log_file", _optional_str, None,

@@ -13,11 +13,12 @@ again), or a log record (the dispatcher logs it, so that a mount keeps one priva
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 #: unique, offset, the object's size, the read's size, the key's and the version's
 #: lengths in bytes; the key and the version follow.
@@ -93,11 +94,14 @@ class Setup:
     shard_dir: str | None
     #: The origin's identity, as the mount's SSD tier records it (mount.origin_identity).
     source: str
+    #: Bytes its SSD shard may hold (None: its share of the `disk_cache` option).
+    disk_budget: int | None = None
 
     def pack(self) -> bytes:
         message = json.dumps({"url": self.url, "options": self.options, "index": self.index,
                               "count": self.count, "shard_dir": self.shard_dir,
-                              "source": self.source}).encode()
+                              "source": self.source,
+                              "disk_budget": self.disk_budget}).encode()
         if len(message) > SETUP_MAX:
             raise ValueError(f"a data process's setup of {len(message)} bytes")
         return message
@@ -106,7 +110,7 @@ class Setup:
     def unpack(cls, message: bytes) -> Setup:
         values = json.loads(message)
         return cls(values["url"], values["options"], values["index"], values["count"],
-                   values["shard_dir"], values["source"])
+                   values["shard_dir"], values["source"], values.get("disk_budget"))
 
 
 def notice(kind: bytes, text: str) -> bytes:
@@ -123,10 +127,23 @@ def read_notice(message: bytes) -> tuple[bytes, str]:
 
 #: A data process's counters: flat names to numbers, each only ever growing while the
 #: process lives, so that the dispatcher's sums over processes (and over those that
-#: died: `add_counts`) are counters too.
+#: died: `add_counts`) are counters too; but for levels, named from LEVEL (what it
+#: holds now: a dead process holds nothing).
 Counts = dict[str, int]
+LEVEL = "level_"
 
 
 def add_counts(total: Counts, more: Counts) -> None:
     for name, value in more.items():
         total[name] = total.get(name, 0) + value
+
+
+T = TypeVar("T")
+
+
+def merged(own: T, counts: Counts, prefix: str) -> T:
+    """`own`, a dataclass of counters (CacheStats, RequestCounts), plus the data
+    processes' counters of the same names after `prefix`."""
+    return dataclasses.replace(own, **{  # type: ignore[type-var]
+        field.name: getattr(own, field.name) + counts.get(prefix + field.name, 0)
+        for field in dataclasses.fields(own)})  # type: ignore[arg-type]

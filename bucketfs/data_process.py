@@ -29,9 +29,11 @@ import os
 import signal
 import socket
 import sys
+import time
 
 import trio
 
+from bucketfs import huge_buffers, huge_pages
 from bucketfs.backends import open_backend
 from bucketfs.backends.base import VersionChanged
 from bucketfs.backends.store import ObjectStore
@@ -45,6 +47,7 @@ from bucketfs.data_jobs import (
     CHANGED,
     COUNTS,
     JOB_MAX,
+    LEVEL,
     LOG,
     READY,
     SETUP_MAX,
@@ -57,8 +60,15 @@ from bucketfs.data_jobs import (
 from bucketfs.fs import READ_STATES
 from bucketfs.fuse_replies import fail, reply
 from bucketfs.logs import Throttle, held_back
-from bucketfs.mount import backend_settings, eviction_policy, retry_policy
+from bucketfs.mount import (
+    MountError,
+    backend_settings,
+    eviction_policy,
+    group_id,
+    retry_policy,
+)
 from bucketfs.reader import ByteBudget, OpenFile, Reader, ReadSettings
+from bucketfs.spare_buffers import spare_buffers
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +150,20 @@ class JobServer:
         fail(self.fuse_fd, unique)
 
     def counts(self) -> Counts:
-        """What this process has done, for the dispatcher's status and metrics."""
-        cache, requests = self.reader.cache.stats, self.reader.cache.store.counts
+        """What this process has done, for the dispatcher's status and metrics: counters
+        (only growing), and levels (`LEVEL`: what it holds now)."""
+        reader, cache = self.reader, self.reader.cache
+        requests = cache.store.counts
+        tiers = {f"{tier.name}_evictions": tier.evictions for tier in cache.tiers}
+        levels = {f"{LEVEL}{tier.name}_used": tier.used for tier in cache.tiers}
         return {"reads": self.reads, "failed_reads": self.failures,
-                **{f"cache_{name}": n for name, n in dataclasses.asdict(cache).items()},
+                "cpu_us": int(time.process_time() * 1e6),
+                "reader_opens": reader.opens, "reader_reads": reader.reads,
+                "reader_bytes_read": reader.bytes_read,
+                "reader_prefetches": reader.prefetches, **tiers, **levels,
+                f"{LEVEL}readahead_bytes": reader.budget.used,
+                f"{LEVEL}write_queue_bytes": cache.queued,
+                **{f"cache_{name}": n for name, n in dataclasses.asdict(cache.stats).items()},
                 **{f"origin_{name}": n for name, n in dataclasses.asdict(requests).items()}}
 
     async def send_counts(self) -> None:
@@ -174,11 +194,14 @@ def open_shard(setup: Setup, config: Config) -> DiskTier | None:
     if setup.shard_dir is None:
         return None
     try:
-        disk = DiskTier(setup.shard_dir, config.disk_cache // setup.count,
+        budget = setup.disk_budget
+        disk = DiskTier(setup.shard_dir,
+                        config.disk_cache // setup.count if budget is None else budget,
                         eviction_policy(config), source=setup.source,
                         block_size=config.block_size,
-                        free_floor=config.disk_free_floor)
-    except CacheDirError as exc:  # unwritable, or held by another mount
+                        free_floor=config.disk_free_floor,
+                        group=group_id(config, "cache_group"))
+    except (CacheDirError, MountError) as exc:  # unwritable, held by another mount
         log.warning("%s; caching in RAM only", exc)
         return None
     for warning in disk.warnings:
@@ -189,6 +212,10 @@ def open_shard(setup: Setup, config: Config) -> DiskTier | None:
 async def serve(setup: Setup, fuse_fd: int, jobs: socket.socket) -> JobServer:
     """Serve jobs until the dispatcher's end closes; the server, for its counts."""
     config = Config(setup.options)
+    # As the daemon's own data path is set up (mount.py).
+    huge_pages.return_freed_blocks_to_the_system()
+    huge_buffers.choose(config.huge_buffers)
+    spare_buffers.limit = config.readahead_max
     backend = open_backend(parse_bucket_url(setup.url), backend_settings(config))
     store = ObjectStore(backend, max_workers=config.max_connections,
                         retry=retry_policy(config))

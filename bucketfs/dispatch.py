@@ -35,6 +35,7 @@ import trio
 from bucketfs.data_jobs import (
     CHANGED,
     COUNTS,
+    LEVEL,
     LOG,
     NOTICE_MAX,
     READY,
@@ -81,7 +82,9 @@ class DataProcesses:
     """`count` data processes serving the reads of `fuse_fd`'s mount."""
 
     def __init__(self, setups: list[Setup], fuse_fd: int, *,
-                 on_changed: Callable[[str], None]) -> None:
+                 on_changed: Callable[[str], None] | None = None) -> None:
+        """`fuse_fd`: the mount's /dev/fuse descriptor (may be set until `run`).
+        `on_changed(key)`: an object changed in the bucket (may be set until `run`)."""
         self.setups, self.fuse_fd, self.on_changed = setups, fuse_fd, on_changed
         self.slots = [_Process() for _ in setups]
         #: Data processes started again after one died.
@@ -209,7 +212,8 @@ class DataProcesses:
             except (ValueError, AttributeError, TypeError):
                 log.warning("data process sent counters that do not parse; ignored")
         elif kind == CHANGED:
-            self.on_changed(text)
+            if self.on_changed is not None:
+                self.on_changed(text)
         elif kind == LOG:
             level, _, line = text.partition("\t")
             log.log(int(level) if level.isdigit() else logging.WARNING, "%s", line)
@@ -223,7 +227,8 @@ class DataProcesses:
             sock.close()
         answered = fail_all(self.fuse_fd, slot.recent)
         slot.recent.clear()
-        add_counts(self.retired, slot.counts)
+        add_counts(self.retired, {name: n for name, n in slot.counts.items()
+                                  if not name.startswith(LEVEL)})
         slot.counts = {}
         return answered
 

@@ -59,6 +59,9 @@ Metrics (labels in braces):
   bucketfs_fuse_read_bytes_total              bytes those read requests returned
   bucketfs_fuse_errors_total{operation}       requests answered EIO (a failure of the
                                               bucket after the retries, or a bug)
+  bucketfs_data_processes                     processes serving reads beside the daemon
+  bucketfs_data_process_restarts_total        data processes started again after one exited
+  bucketfs_data_process_cpu_seconds_total     CPU of the data processes, as last reported
   bucketfs_readahead_prefetches_total         blocks read ahead
   bucketfs_readahead_inflight_bytes           bytes read-ahead has in flight now
   bucketfs_readahead_budget_bytes             most bytes read-ahead may have in flight
@@ -90,7 +93,10 @@ Metrics (labels in braces):
                                               ceiling of files/s (loop_load.py)
   bucketfs_daemon_cpu_seconds_total           CPU of the daemon, all its threads
 
-The ssd-tier series exist only when the mount has an SSD tier; the hints and prefetch
+With data processes (`data_processes`), the cache, origin and fuse series add what
+they counted, as each last reported (once a second; those of a process that exited
+are kept), and the data_process series exist; their request latencies are not in the
+histogram. The ssd-tier series exist only when the mount has an SSD tier; the hints and prefetch
 series only when hinted prefetch is on (hints.prefetch_window > 0). The prefetch values
 are a snapshot the trio thread refreshes at every event (the scheduler is not
 thread-safe).
@@ -114,6 +120,8 @@ from bucketfs import fs, tasks
 from bucketfs.backends.store import LatencyHistogram, ObjectStore
 from bucketfs.cache.shared import SharedTier
 from bucketfs.cache.tiered import BlockCache
+from bucketfs.data_jobs import LEVEL, Counts, merged
+from bucketfs.dispatch import DataProcesses
 from bucketfs.loop_load import ServingLoad
 from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import Reader
@@ -149,14 +157,19 @@ class MountCollector(Collector):
 
     def __init__(self, cache: BlockCache, store: ObjectStore, reader: Reader,
                  prefetch: HintedPrefetch | None = None, load: ServingLoad | None = None,
-                 ) -> None:
+                 data: DataProcesses | None = None) -> None:
         self.cache = cache
         self.store = store
         self.reader = reader
         self.prefetch = prefetch
         self.load = load
+        self.data = data
+        #: The data processes' counters, read once per scrape (this thread reads what
+        #: the trio thread replaces whole, a report at a time).
+        self.extra: Counts = {}
 
     def collect(self) -> Iterator[Metric]:
+        self.extra = {} if self.data is None else self.data.counts()
         yield from self._cache()
         yield from self._origin()
         if self.cache.shared is not None:
@@ -180,7 +193,8 @@ class MountCollector(Collector):
                 "CPU seconds of the daemon, all its threads.", value=self.load.process_cpu_s())
 
     def _cache(self) -> Iterator[Metric]:
-        stats, disk = self.cache.stats, self.cache.disk
+        stats, disk, extra = merged(self.cache.stats, self.extra, "cache_"), \
+            self.cache.disk, self.extra
         hits = _counter("cache_hits_total", "Block lookups served by a cache tier.", ("tier",))
         served = _counter("cache_served_bytes_total", "Bytes served from a cache tier.",
                           ("tier",))
@@ -194,8 +208,9 @@ class MountCollector(Collector):
             tier_hits, tier_bytes = served_by[tier.name]
             hits.add_metric([tier.name], tier_hits)
             served.add_metric([tier.name], tier_bytes)
-            evictions.add_metric([tier.name], tier.evictions)
-            used.add_metric([tier.name], tier.used)
+            evictions.add_metric([tier.name],
+                                 tier.evictions + extra.get(f"{tier.name}_evictions", 0))
+            used.add_metric([tier.name], tier.used + extra.get(f"{LEVEL}{tier.name}_used", 0))
             capacity.add_metric([tier.name], tier.capacity)
         if self.cache.shared is not None:
             hits.add_metric(["shared"], stats.shared_hits)
@@ -284,7 +299,7 @@ class MountCollector(Collector):
             value=int(shared.up))
 
     def _origin(self) -> Iterator[Metric]:
-        counts = self.store.counts
+        counts = merged(self.store.counts, self.extra, "origin_")
         requests = _counter("origin_requests_total",
                             "Requests sent to the origin, retries included.", ("kind",))
         for kind in REQUEST_KINDS:
@@ -306,23 +321,37 @@ class MountCollector(Collector):
         yield latency
 
     def _reads(self) -> Iterator[Metric]:
-        reader = self.reader
+        reader, extra = self.reader, self.extra
         yield CounterMetricFamily(
             PREFIX + "fuse_opens_total",
             "Files opened as the daemon sees them (with kernel_opens: reads at their start).",
-            value=reader.opens)
+            value=reader.opens + extra.get("reader_opens", 0))
         yield CounterMetricFamily(
             PREFIX + "fuse_reads_total", "Read requests the kernel sent to the daemon.",
-            value=reader.reads)
+            value=reader.reads + extra.get("reader_reads", 0))
         yield CounterMetricFamily(
             PREFIX + "fuse_read_bytes_total", "Bytes returned to the kernel's read requests.",
-            value=reader.bytes_read)
+            value=reader.bytes_read + extra.get("reader_bytes_read", 0))
         errors = _counter("fuse_errors_total",
                           "Requests answered EIO (the bucket failed after the retries, or a bug).",
                           ("operation",))
-        for operation, count in sorted(fs.request_failures.items()):
+        failures = dict(fs.request_failures)
+        if extra.get("failed_reads"):  # answered EIO by a data process
+            failures["read"] = failures.get("read", 0) + extra["failed_reads"]
+        for operation, count in sorted(failures.items()):
             errors.add_metric([operation], count)
         yield errors
+        if self.data is not None:
+            yield GaugeMetricFamily(
+                PREFIX + "data_processes", "Processes serving reads beside the daemon.",
+                value=self.data.count)
+            yield CounterMetricFamily(
+                PREFIX + "data_process_restarts_total",
+                "Data processes started again after one exited.", value=self.data.restarts)
+            yield CounterMetricFamily(
+                PREFIX + "data_process_cpu_seconds_total",
+                "CPU seconds of the data processes, as they last reported them.",
+                value=extra.get("cpu_us", 0) / 1e6)
 
     def _readahead(self) -> Iterator[Metric]:
         budget = self.reader.budget
@@ -406,11 +435,12 @@ class MountCollector(Collector):
 
 def build_registry(cache: BlockCache, store: ObjectStore, reader: Reader,
                    prefetch: HintedPrefetch | None = None, load: ServingLoad | None = None,
-                   ) -> CollectorRegistry:
+                   data: DataProcesses | None = None) -> CollectorRegistry:
     """A fresh registry holding only this mount's metrics (never the process-global one).
-    `load`: the serving thread's clocks (its series are there only with it)."""
+    `load`: the serving thread's clocks (its series are there only with it). `data`:
+    the mount's data processes, whose counters add to this process's."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(MountCollector(cache, store, reader, prefetch, load))
+    registry.register(MountCollector(cache, store, reader, prefetch, load, data))
     return registry
 
 

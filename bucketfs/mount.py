@@ -18,7 +18,6 @@ cache counters, close the index (and delete a temporary one).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import errno
 import functools
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from bucketfs import huge_buffers
+from bucketfs import huge_buffers, huge_pages
 from bucketfs.backends import open_backend
 from bucketfs.backends.base import Backend, BackendError, NotFound
 from bucketfs.backends.retry import RetryPolicy
@@ -52,11 +51,20 @@ from bucketfs.cache.shared_store import SharedError, SharedStore
 from bucketfs.cache.tier import CacheEvents
 from bucketfs.cache.tiered import BlockCache
 from bucketfs.config import Config, options_for_other_buckets
+from bucketfs.data_jobs import merged
+from bucketfs.dispatch import DataProcesses
 from bucketfs.fs import PATCHED_PYFUSE3, Operations
+from bucketfs.fs_dispatch import DispatchingOperations
 from bucketfs.hints.location import socket_path
 from bucketfs.hints_server import HintsServerError, serve_hints
 from bucketfs.loop_load import ServingLoad
 from bucketfs.metrics import build_registry, start_metrics_server
+from bucketfs.mount_data import (
+    DataProcessError,
+    data_setups,
+    refuse_warm,
+    start_data_processes,
+)
 from bucketfs.namespace import Namespace
 from bucketfs.prefetch.eviction import EvictionPolicy, make_policy
 from bucketfs.prefetch.next_use import HintedPolicy, NextUse
@@ -227,8 +235,13 @@ async def _serve(
         warnings.append(f"{', '.join(unused)}: for another kind of bucket; nothing for "
                         f"{info.url}")
     info.source = origin_identity(info.url, backend)
+    if config.data_processes:
+        warnings.append(f"data_processes {config.data_processes}: hints, packing, warm and "
+                        "the shared tier are off with data processes (for now)")
+        info.shared = None
     # The plans come first: both tiers' hinted eviction reads them.
-    hints = _Hints.make(config) if config.prefetch_window > 0 else None
+    hints = _Hints.make(config) if config.prefetch_window > 0 and \
+        not config.data_processes else None
     disk = open_disk_tier(info, config, warnings, hints)
     try:
         await _serve_with(info, store, disk, hints, ready, warnings)
@@ -313,11 +326,15 @@ async def _serve_namespace(
         if prefetch is not None:
             await nursery.start(prefetch.run)
         load = ServingLoad()  # this is the thread that answers every request
+        # With data processes, they read; this process's cache and reader stay idle.
+        data = None if not config.data_processes else DataProcesses(
+            data_setups(str(info.url), info.source, config, disk,
+                        group_id(config, "cache_group")), -1)
         status = MountStatus(facts_of(info.url, info.mountpoint, config, store,
                                      kernel_opens=kernel_opens), cache,
                              store, reader, prefetch,
                              WarmJobs(namespace, cache, nursery, connections=connections),
-                             load)
+                             load, data)
         start_guarded(nursery, "sampling the origin's throughput and the CPU", status.run)
         huge_buffers.choose(config.huge_buffers)
         # A read-ahead window's evictions come back together: keep that many spare.
@@ -330,24 +347,31 @@ async def _serve_namespace(
         if config.metrics_port:
             try:
                 start_metrics_server(config.metrics_port, config.metrics_address,
-                                     build_registry(cache, store, reader, prefetch, load))
+                                     build_registry(cache, store, reader, prefetch, load,
+                                                    data))
             except OSError as exc:
                 raise MountError(f"cannot serve metrics on {config.metrics_address}:"
                                  f"{config.metrics_port}: {exc.strerror}") from None
-        operations = Operations(
-            namespace, reader,
-            uid=os.getuid() if config.uid is None else config.uid,
-            gid=os.getgid() if config.gid is None else config.gid,
-            kernel_ttl=_kernel_ttl(config),
-            kernel_opens=kernel_opens,
-            max_background=config.kernel_background if PATCHED_PYFUSE3 else 0,
-        )
+        options = dict(uid=os.getuid() if config.uid is None else config.uid,
+                       gid=os.getgid() if config.gid is None else config.gid,
+                       kernel_ttl=_kernel_ttl(config), kernel_opens=kernel_opens,
+                       max_background=config.kernel_background if PATCHED_PYFUSE3 else 0)
+        try:
+            operations = Operations(namespace, reader, **options) if data is None else \
+                DispatchingOperations(namespace, reader, data, nursery.start_soon, **options)
+        except ValueError as exc:
+            raise MountError(f"data_processes: {exc}") from None
         try:
             pyfuse3.init(operations, info.mountpoint, fuse_options(info.url, config))
         except RuntimeError as exc:
             raise MountError(f"cannot mount on {info.mountpoint}: {exc}") from None
         try:
             write_pid(info.mountpoint)
+            if data is not None:
+                try:
+                    await start_data_processes(nursery, data)
+                except DataProcessError as exc:
+                    raise MountError(str(exc)) from None
             await _serve_hints(nursery, info.mountpoint, prefetch, status, hints_gid,
                                warnings)
             log.info("mounted %s on %s", info.url, info.mountpoint)
@@ -377,6 +401,8 @@ async def _serve_namespace(
             pyfuse3.close(unmount=True)
             clear_pid(info.mountpoint)
         log.info("unmounted %s", info.mountpoint)
+        if data is not None:  # each flushes its RAM tier to its shard and exits
+            await data.close()
         status.warm.cancel_all("unmounted")  # a warm job must not hold the flush up
         if shared is not None:  # what this node read last is for the next node too
             await shared.drain(SHARED_DRAIN_S)
@@ -384,7 +410,8 @@ async def _serve_namespace(
         try:
             await cache.flush()
             if disk is not None and disk.writable:
-                save_counters(disk.index, dataclasses.asdict(cache.stats))
+                save_counters(disk.index, dataclasses.asdict(cache.stats if data is None
+                              else merged(cache.stats, data.counts(), "cache_")))
         except Exception as exc:  # a full or read-only disk: the next mount recounts
             log.warning("could not save the cache's state at unmount: %s", describe(exc))
         nursery.cancel_scope.cancel()
@@ -426,14 +453,15 @@ def group_id(config: Config, option: str) -> int | None:
 async def _serve_hints(nursery: trio.Nursery, mountpoint: str,
                        prefetch: HintedPrefetch | None, status: MountStatus,
                        gid: int | None, warnings: list[str]) -> None:
-    """Listen on the mount's hints socket (hints when prefetch is on; status and warm
-    always); if that fails, the mount serves without."""
+    """Listen on the mount's hints socket (hints when prefetch is on; status always,
+    warm without data processes); if that fails, the mount serves without."""
     try:
         await nursery.start(functools.partial(
             serve_hints, socket_path(mountpoint), owner_uid=os.geteuid(), allowed_gid=gid,
             on_order=None if prefetch is None else prefetch.on_order,
             on_end=None if prefetch is None else prefetch.on_end,
-            on_status=status.snapshot, on_warm=status.warm.start,
+            on_status=status.snapshot,
+            on_warm=status.warm.start if status.data is None else refuse_warm,
             on_cancel=status.warm.cancel))
     except HintsServerError as exc:
         warnings.append(f"hints, status and warm are off: {exc}")
@@ -517,35 +545,12 @@ async def _set_kernel_readahead(mountpoint: str, size: int) -> None:
         log.debug("kernel read-ahead left at its default (%s: %s)", path, exc.strerror)
 
 
-#: glibc's M_MMAP_THRESHOLD (malloc.h), and the size from which blocks get their own mmap.
-_M_MMAP_THRESHOLD = -3
-_MMAP_FROM = 1024 * 1024
-
-
-def _return_freed_blocks_to_the_system() -> None:
-    """Cache blocks (up to a few MiB each) come and go all the time. glibc raises its mmap
-    threshold to the size of each mmapped block freed (up to 32 MiB), after which such
-    blocks come from the heap, whose freed memory it keeps: the daemon's RSS then drifts
-    past its cache budgets (195-284 MiB against a 190 MiB bound under tests/test_load.py,
-    147-154 MiB with this). A fixed threshold keeps every block from 1 MiB an mmap of its
-    own, returned when freed. Not lower: the GET client's own short-lived buffers of a
-    large read are smaller, and as mmaps each came back as fresh pages to fault in (at
-    256 KiB, a cold 1 GiB read cost the daemon 1.37 CPU-s RAM only and 1.84 with the SSD
-    tier, against 1.2 and 1.63-1.75 at 1 MiB; docs/BENCHMARKS.md, step 17). Other C
-    libraries: left as they are."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_FROM)
-    except (OSError, AttributeError):
-        log.debug("not glibc: the allocator keeps its defaults")
-
-
 def run_mount(info: MountInfo, ready: Callable[[list[str]], None]) -> None:
     """Mount and serve until unmounted. Raises MountError for anything the user must fix.
     `ready` is called once the mount serves, with warnings for the user."""
     info.mountpoint = check_mountpoint(info.mountpoint)
     check_fuse_device()
-    _return_freed_blocks_to_the_system()
+    huge_pages.return_freed_blocks_to_the_system()
     try:
         prepare_state_dir(info.mountpoint, hints_group(info.config))
     except (UnsafePath, OSError) as exc:

@@ -27,10 +27,12 @@ from typing import Any, NamedTuple
 import trio
 
 from bucketfs import __version__, fs, tasks
-from bucketfs.backends.store import ObjectStore
+from bucketfs.backends.store import ObjectStore, RequestCounts
 from bucketfs.backends.urls import BucketUrl
-from bucketfs.cache.tiered import BlockCache
+from bucketfs.cache.tiered import BlockCache, CacheStats
 from bucketfs.config import Config
+from bucketfs.data_jobs import LEVEL, Counts, merged
+from bucketfs.dispatch import DataProcesses
 from bucketfs.loop_load import ServingLoad
 from bucketfs.prefetcher import HintedPrefetch
 from bucketfs.reader import Reader
@@ -103,9 +105,11 @@ class MountStatus:
 
     def __init__(self, facts: MountFacts, cache: BlockCache, store: ObjectStore,
                  reader: Reader, prefetch: HintedPrefetch | None, warm: WarmJobs,
-                 load: ServingLoad | None = None) -> None:
+                 load: ServingLoad | None = None, data: DataProcesses | None = None,
+                 ) -> None:
         """`load`: the serving thread's clocks (made in that thread); by default this
-        thread's, which is the serving thread when the mount makes this."""
+        thread's, which is the serving thread when the mount makes this. `data`: the
+        mount's data processes, whose counters add to this process's."""
         self.load = load or ServingLoad()
         self.facts = facts
         self.cache = cache
@@ -113,6 +117,7 @@ class MountStatus:
         self.reader = reader
         self.prefetch = prefetch
         self.warm = warm
+        self.data = data
         self.started = time.time()
         self._began = time.monotonic()
         #: Oldest first.
@@ -128,22 +133,36 @@ class MountStatus:
     def _sample(self) -> None:
         self._samples.append(self._now())
 
+    def _extra(self) -> Counts:
+        """The data processes' counters (nothing without them)."""
+        return {} if self.data is None else self.data.counts()
+
+    def _requests(self) -> RequestCounts:
+        return merged(self.store.counts, self._extra(), "origin_")
+
+    def _stats(self) -> CacheStats:
+        return merged(self.cache.stats, self._extra(), "cache_")
+
     def _now(self) -> _Sample:
-        counts = self.store.counts
+        counts, extra = self._requests(), self._extra()
         return _Sample(time.monotonic(), counts.bytes_fetched,
-                       counts.get + counts.head + counts.list, self.reader.opens,
-                       self.load.thread_cpu_s(), self.load.process_cpu_s())
+                       counts.get + counts.head + counts.list,
+                       self.reader.opens + extra.get("reader_opens", 0),
+                       self.load.thread_cpu_s(),
+                       self.load.process_cpu_s() + extra.get("cpu_us", 0) / 1e6)
 
     # --- the snapshot (trio thread) ------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
+        extra = self._extra()
         return {
             "schema": SCHEMA,
             "mount": self._mount(),
             "load": self._load(),
             "cache": self._cache(),
-            "reads": {"opens": self.reader.opens, "requests": self.reader.reads,
-                      "bytes": self.reader.bytes_read},
+            "reads": {"opens": self.reader.opens + extra.get("reader_opens", 0),
+                      "requests": self.reader.reads + extra.get("reader_reads", 0),
+                      "bytes": self.reader.bytes_read + extra.get("reader_bytes_read", 0)},
             "prefetch": self._prefetch(),
             "shared": self._shared(),
             "origin": self._origin(),
@@ -166,25 +185,32 @@ class MountStatus:
             "hints": self.prefetch is not None,
             "kernel_opens": facts.kernel_opens,
             "metrics": facts.metrics,
+            # Processes serving reads beside the daemon (0: it serves them itself).
+            "data_processes": 0 if self.data is None else self.data.count,
+            "data_process_restarts": 0 if self.data is None else self.data.restarts,
         }
 
     def _cache(self) -> dict[str, Any]:
-        stats, disk = self.cache.stats, self.cache.disk
+        stats, disk, extra = self._stats(), self.cache.disk, self._extra()
         served = {"ram": (stats.ram_hits, stats.ram_bytes_served),
                   "ssd": (stats.disk_hits, stats.disk_bytes_served)}
         tiers = []
         for tier in self.cache.tiers:
             hits, served_bytes = served[tier.name]
             entry: dict[str, Any] = {
-                "name": tier.name, "used": tier.used, "capacity": tier.capacity,
-                "evictions": tier.evictions, "hits": hits, "served_bytes": served_bytes,
+                "name": tier.name,
+                "used": tier.used + extra.get(f"{LEVEL}{tier.name}_used", 0),
+                "capacity": tier.capacity,
+                "evictions": tier.evictions + extra.get(f"{tier.name}_evictions", 0),
+                "hits": hits, "served_bytes": served_bytes,
             }
             if tier is self.cache.ram:
                 # Blocks read to their end by a pass, let go once the SSD tier had them.
                 entry["released"] = stats.ram_released
             if tier is disk:
                 entry |= {"writable": disk.writable, "writes": stats.disk_writes,
-                          "write_queue_bytes": self.cache.queued,
+                          "write_queue_bytes": self.cache.queued
+                          + extra.get(f"{LEVEL}write_queue_bytes", 0),
                           "chunks": disk.chunks.count, "packed_bytes": disk.chunks.live_bytes,
                           "chunk_reads": disk.chunks.reads,
                           # Blocks that came into RAM with an earlier member's chunk read.
@@ -224,11 +250,13 @@ class MountStatus:
         }
 
     def _prefetch(self) -> dict[str, Any]:
-        budget = self.reader.budget
+        budget, extra = self.reader.budget, self._extra()
         out: dict[str, Any] = {
             "enabled": self.prefetch is not None,
-            "readahead": {"prefetches": self.reader.prefetches,
-                          "inflight_bytes": budget.used, "budget_bytes": budget.limit},
+            "readahead": {
+                "prefetches": self.reader.prefetches + extra.get("reader_prefetches", 0),
+                "inflight_bytes": budget.used + extra.get(f"{LEVEL}readahead_bytes", 0),
+                "budget_bytes": budget.limit},
         }
         prefetch = self.prefetch
         if prefetch is None:
@@ -257,7 +285,7 @@ class MountStatus:
         }
 
     def _origin(self) -> dict[str, Any]:
-        counts = self.store.counts
+        counts = self._requests()
         requests = {kind: getattr(counts, kind) for kind in REQUEST_KINDS}
         now = time.monotonic()
         then = self._samples[0]
@@ -301,11 +329,12 @@ class MountStatus:
     def _errors(self) -> dict[str, Any]:
         prefetch = self.prefetch
         return {
-            "retries": self.store.counts.retries,
+            "retries": self._requests().retries,
             "failed_orders": 0 if prefetch is None else prefetch.failed_orders,
             "failed_prefetches": 0 if prefetch is None else prefetch.current_stats().failed_fetches,
             "background_failures": tasks.failures,
-            "failed_requests": sum(fs.request_failures.values()),
+            "failed_requests": sum(fs.request_failures.values())
+            + self._extra().get("failed_reads", 0),
             "warm_errors": self.warm.errors,
         }
 

@@ -69,6 +69,10 @@ def _mount(mount: dict[str, Any]) -> Iterator[str]:
     extras = [f"hints {'on' if mount['hints'] else 'off'}",
               f"block {size(mount['block_size'])}",
               f"opens by the {'kernel' if mount.get('kernel_opens') else 'daemon'}"]
+    if mount.get("data_processes"):
+        restarts = mount.get("data_process_restarts", 0)
+        extras.append(f"{mount['data_processes']} data processes"
+                      + (f" ({restarts} restarted)" if restarts else ""))
     if mount.get("metrics"):
         extras.append(f"metrics http://{mount['metrics']}/metrics")
     yield " · ".join(extras)

@@ -13,6 +13,7 @@ import trio
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bucketfs import fs
 from bucketfs import metrics as metrics_module
 from bucketfs.backends.retry import RetryPolicy
 from bucketfs.backends.store import ObjectStore
@@ -20,6 +21,8 @@ from bucketfs.cache.blocks import BlockId, ObjectRef
 from bucketfs.cache.disk import DiskTier
 from bucketfs.cache.ram import RamTier
 from bucketfs.cache.tiered import BlockCache
+from bucketfs.data_jobs import Setup
+from bucketfs.dispatch import DataProcesses
 from bucketfs.loop_load import ServingLoad
 from bucketfs.metrics import build_registry, start_metrics_server
 from bucketfs.prefetch.eviction import make_policy
@@ -243,7 +246,8 @@ def test_the_documented_list_is_exactly_what_a_mount_exports(tmp_path):
             prefetch = HintedPrefetch(
                 namespace, cache, PrefetchScheduler(window_bytes=BLOCK, budget_bytes=BLOCK),
                 connections=1, block_size=BLOCK)
-            registry = build_registry(cache, store, reader, prefetch, ServingLoad())
+            data = DataProcesses([Setup("mem://bucket/", {}, 0, 1, None, "mem")], -1)
+            registry = build_registry(cache, store, reader, prefetch, ServingLoad(), data)
             out["names"] = {family.name for family in registry.collect()}
             namespace.close()
             nursery.cancel_scope.cancel()
@@ -253,6 +257,45 @@ def test_the_documented_list_is_exactly_what_a_mount_exports(tmp_path):
     # prometheus_client reports counters without their _total suffix.
     exported = {n + "_total" if n + "_total" in documented else n for n in out["names"]}
     assert exported == documented
+
+
+def test_data_processes_counters_add_to_the_mounts_own():
+    """With data processes, a scrape shows the sums of what they last reported (those
+    of one that exited kept) on top of the daemon's own counters; levels only from the
+    running ones."""
+    backend = MemoryBackend(objects())
+    out = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            store = ObjectStore(backend, max_workers=4, retry=RetryPolicy(1))
+            cache = BlockCache(store, RamTier(BLOCK, make_policy("lru")), None,
+                               block_size=BLOCK, nursery=nursery)
+            reader = Reader(cache, ByteBudget(4 * BLOCK), ReadSettings(), nursery)
+            key = "small/a"
+            await reader.read(reader.open(key, backend.version(key), 100 * KiB), 0, 10)
+            out["own_ram"] = cache.ram.used
+            data = DataProcesses([Setup("mem://bucket/", {}, n, 2, None, "mem")
+                                  for n in range(2)], -1)
+            first, second = data.slots
+            first.counts = {"cache_misses": 5, "origin_get": 6, "reader_opens": 7,
+                            "failed_reads": 1, "level_ram_used": 100, "cpu_us": 2_000_000}
+            second.counts = {"cache_misses": 1, "level_ram_used": 50}
+            data._gone(second)  # exited: its counters stay, what it held does not
+            out["registry"] = build_registry(cache, store, reader, None, None, data)
+            nursery.cancel_scope.cancel()
+
+    failed_before = fs.request_failures["read"]
+    trio.run(main)
+    registry = out["registry"]
+    assert value(registry, "bucketfs_cache_misses_total") == 1 + 5 + 1
+    assert value(registry, "bucketfs_origin_requests_total", kind="get") == 1 + 6
+    assert value(registry, "bucketfs_fuse_opens_total") == 1 + 7
+    assert value(registry, "bucketfs_fuse_errors_total",
+                 operation="read") == failed_before + 1
+    assert value(registry, "bucketfs_cache_used_bytes", tier="ram") == out["own_ram"] + 100
+    assert value(registry, "bucketfs_data_process_cpu_seconds_total") == 2.0
+    assert value(registry, "bucketfs_data_processes") == 2
 
 
 def test_the_serving_threads_cpu_is_that_threads_alone():

@@ -48,6 +48,10 @@ _TRASH_PREFIX = ".bucketfs-clearing-"
 _ROCKSDICT_CONFIG = "rocksdict-config.json"
 
 
+#: Where in a cache directory a mount's data processes keep their SSD tiers.
+SHARDS = "shards"
+
+
 class CacheAdminError(Exception):
     """Why a cache directory cannot be inspected or cleared (one line for the user)."""
 
@@ -138,7 +142,8 @@ def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
     headers included), `chunk_disk_bytes` (the room the filesystem gives them: holes
     left out),
     `index_bytes` (the RocksDB index on disk), `listings` (directory listings kept for
-    remounts), `counters` (the totals saved by `save_counters`, {} if none)."""
+    remounts), `counters` (the totals saved by `save_counters`, {} if none), `shards`
+    (data processes' shards, whose entries and files the other figures include)."""
     path = Path(directory)
     with _open_read_only(path) as index:
         entries = data_bytes = packed_entries = 0
@@ -162,7 +167,7 @@ def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
                         continue
                     block_files += 1
     chunk_files, chunk_bytes, chunk_disk_bytes = _tree_size(path / "chunks")
-    return {
+    stats = {
         "directory": str(path),
         "entries": entries,
         "bytes": data_bytes,
@@ -175,7 +180,30 @@ def cache_stats(directory: str | os.PathLike[str]) -> dict[str, Any]:
         "index_bytes": _tree_size(path / "index")[1],
         "listings": listings,
         "counters": counters,
+        "shards": 0,
     }
+    # A mount with data processes keeps their blocks in shards (mount_data.py), each a
+    # cache directory of its own: counted with the rest.
+    for shard in shard_dirs(path):
+        stats["shards"] += 1
+        for name, value in cache_stats(shard).items():
+            if name in _SUMMED:
+                stats[name] += value
+    return stats
+
+
+#: What `cache_stats` adds up over a cache directory's shards.
+_SUMMED = ("entries", "bytes", "packed_entries", "block_files", "file_bytes",
+           "chunk_files", "chunk_bytes", "chunk_disk_bytes", "index_bytes")
+
+
+def shard_dirs(directory: str | os.PathLike[str]) -> list[Path]:
+    """The data processes' shards a cache directory holds, by index."""
+    shards = Path(directory) / SHARDS
+    if not shards.is_dir():
+        return []
+    return sorted((path for path in shards.iterdir() if path.name.isdigit()),
+                  key=lambda path: int(path.name))
 
 
 def format_stats(d: dict[str, Any]) -> str:
@@ -190,6 +218,8 @@ def format_stats(d: dict[str, Any]) -> str:
                         f"{d.get('packed_entries', 0):,} entries packed"),
         ("index", f"{size(d['index_bytes'])}, {d['listings']:,} directory listings"),
     ]
+    if d.get("shards"):
+        rows.append(("shards", f"{d['shards']} (data processes'; counted above)"))
     counters = d.get("counters") or {}
     ram, ssd = counters.get("ram_hits", 0), counters.get("disk_hits", 0)
     shared = counters.get("shared_hits", 0)
@@ -234,6 +264,11 @@ def clear_cache(directory: str | os.PathLike[str]) -> int:
     with _open_read_only(path):
         pass  # proves it is a bucketfs cache
     _check_not_in_use(path / "index", path)
+    # The shards of data processes, each a cache directory of its own; a mount that
+    # holds this directory's lock would hold theirs too.
+    freed = sum(clear_cache(shard) for shard in shard_dirs(path))
+    if (path / SHARDS).is_dir():
+        shutil.rmtree(path / SHARDS)
     trash = Path(tempfile.mkdtemp(prefix=_TRASH_PREFIX, dir=path))
     moved: list[str] = []
     try:
@@ -249,7 +284,7 @@ def clear_cache(directory: str | os.PathLike[str]) -> int:
             os.rename(trash / name, path / name)
         trash.rmdir()
         raise
-    freed = _tree_size(trash)[1]
+    freed += _tree_size(trash)[1]
     shutil.rmtree(trash)
     for leftover in path.glob(_TRASH_PREFIX + "*"):  # from an earlier, interrupted clear
         freed += _tree_size(leftover)[1]
