@@ -62,6 +62,10 @@ RESTART_DELAY_MAX_S = 30.0
 HEALTHY_S = 60.0
 #: How long a data process may take to flush and exit at unmount before it is killed.
 EXIT_S = 30.0
+#: A serving data process that sent nothing for this long is taken for hung and killed
+#: (then started again, its reads answered EIO): it reports its counters every second
+#: from its trio thread, which does no blocking work.
+SILENT_S = 30.0
 
 
 class _Process:
@@ -72,6 +76,8 @@ class _Process:
         self.socket: socket.socket | None = None
         self.recent = collections.deque[int](maxlen=RECENT)
         self.started_at = 0.0
+        #: When the running child last sent a notice.
+        self.heard = 0.0
         #: Set when the running child has built its data path.
         self.ready = trio.Event()
         #: The running child's latest counters.
@@ -91,6 +97,9 @@ class DataProcesses:
         self.restarts = 0
         #: What data processes that died had counted, so that the sums never go back.
         self.retired: Counts = {}
+        #: Data processes killed as hung (`SILENT_S`).
+        self.hung = 0
+        self.silent_s = SILENT_S
         self._closing = False
 
     @property
@@ -120,6 +129,7 @@ class DataProcesses:
         async with trio.open_nursery() as nursery:
             for index in range(self.count):
                 nursery.start_soon(self._keep, index)
+                nursery.start_soon(self._watch, index)
 
     async def send(self, job: Job) -> bool:
         """Hand `job` to its owner; False if the owner is not running (answer EIO)."""
@@ -160,7 +170,7 @@ class DataProcesses:
         ours.setblocking(False)
         slot.socket, slot.recent = ours, collections.deque(maxlen=RECENT)
         slot.ready = trio.Event()
-        slot.started_at = trio.current_time()
+        slot.started_at = slot.heard = trio.current_time()
 
     async def _keep(self, index: int) -> None:
         slot, delay = self.slots[index], RESTART_DELAY_S
@@ -200,7 +210,27 @@ class DataProcesses:
                     message = b""
                 if not message:
                     return
+                slot.heard = trio.current_time()
                 self._notice(slot, message)
+
+    async def _watch(self, index: int) -> None:
+        """Kill the data process in `index`'s slot once it serves (it said it was ready)
+        and then falls silent for `silent_s`: a hung process would hold its reads, and
+        its objects' later ones, for ever. Its death is then handled as any other."""
+        slot = self.slots[index]
+        while not self._closing:
+            await trio.sleep(self.silent_s / 4)
+            child = slot.child
+            if child is None or slot.socket is None or not slot.ready.is_set():
+                continue
+            silent = trio.current_time() - slot.heard
+            if silent > self.silent_s and not self._closing:
+                log.warning("data process %d sent nothing for %.0f s; killing it as hung",
+                            index, silent)
+                self.hung += 1
+                slot.heard = trio.current_time()  # one kill: its death follows
+                with contextlib.suppress(OSError):
+                    child.kill()
 
     def _notice(self, slot: _Process, message: bytes) -> None:
         kind, text = read_notice(message)

@@ -1,7 +1,13 @@
 """The dispatcher's bookkeeping of its data processes (dispatch.py) that needs no
-process: the real ones are started, fed and killed in tests/test_bench_fuse_clones.py."""
+process, and a real one taken for hung; the real ones are started, fed and killed with a
+mount in tests/test_bench_fuse_clones.py and tests/test_fuse_data_processes.py."""
 
 from __future__ import annotations
+
+import os
+import signal
+
+import trio
 
 from bucketfs.data_jobs import Setup
 from bucketfs.dispatch import DataProcesses
@@ -45,3 +51,37 @@ def test_a_changed_object_is_told_and_a_log_record_logged(caplog):
     data._notice(data.slots[0], b"L30\tdata process 0: read of 'x' failed")
     assert changed == ["train/a.jpg"]
     assert "data process 0: read of 'x' failed" in caplog.text
+
+
+def test_a_data_process_that_falls_silent_is_killed_and_started_again():
+    """A real data process (no mount: its descriptor is /dev/null, its bucket never
+    asked) stopped with SIGSTOP sends no counters; past `silent_s` the dispatcher kills
+    it, and starts it again."""
+    fuse_fd = os.open(os.devnull, os.O_WRONLY)
+    data = DataProcesses([Setup("s3://b/", {"endpoint_url": "http://127.0.0.1:9"}, 0, 1,
+                                None, "s3 b")], fuse_fd)
+    data.silent_s = 1.0
+    out = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(data.run)
+            with trio.fail_after(60):
+                await data.wait_ready()
+                first = data.slots[0].child.pid
+                await trio.sleep(2.5)  # serving and reporting: never taken for hung
+                assert data.hung == 0
+                os.kill(first, signal.SIGSTOP)
+                while data.restarts == 0:
+                    await trio.sleep(0.1)
+                await data.wait_ready()
+            out["pids"] = (first, data.slots[0].child.pid)
+            await data.close()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        os.close(fuse_fd)
+    first, second = out["pids"]
+    assert data.hung == 1 and first != second
