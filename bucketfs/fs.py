@@ -224,10 +224,14 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         fh = self._next_fh
         self._next_fh += 1
-        self.handles[fh] = (node, self.reader.open(node.key, node.version, node.size))
+        self.opened(fh, node)
         # An inode stands for one version (a changed object gets a new inode), and the
         # bytes of a version never change: the kernel page cache may keep them.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    def opened(self, fh: int, node: DirEntry) -> None:
+        """Keep what reads of the new handle `fh` need."""
+        self.handles[fh] = (node, self.reader.open(node.key, node.version, node.size))
 
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:

@@ -47,14 +47,8 @@ class DispatchingOperations(Operations):
         self.nodes: collections.OrderedDict[int, DirEntry] = collections.OrderedDict()
         data.on_changed = self.changed
 
-    @fuse_errors
-    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext,
-                   ) -> pyfuse3.FileInfo:
-        info = await super().open(inode, flags, ctx)
-        # fs.Operations made a read state this process never uses: keep the entry only.
-        node, _ = self.handles.pop(info.fh)
-        self.nodes[info.fh] = node
-        return info
+    def opened(self, fh: int, node: DirEntry) -> None:
+        self.nodes[fh] = node  # the data process keeps the read state
 
     @fuse_errors
     async def read(self, fh: int, off: int, size: int, unique: int = 0) -> object:

@@ -187,3 +187,19 @@ def test_warm_says_it_is_off_with_data_processes(remote, tmp_path):
         result = bucketfs("warm", str(mnt))
         assert result.returncode != 0
         assert "data processes" in result.stderr
+
+
+def test_with_the_daemon_answering_opens_each_handle_reads_its_version(remote, tmp_path):
+    """`--no-kernel-opens`: the daemon answers OPEN and RELEASE, and a read names a
+    handle; its entry is kept per handle until RELEASE (nothing else is)."""
+    url, env, args = remote
+    with mounted(url, tmp_path / "mnt", *args, "--data-processes", "2",
+                 "--no-kernel-opens", env=env) as mnt:
+        read_all(mnt)
+        drop_page_cache()
+        read_all(mnt)
+        status = settled_status(mnt)
+        assert not status["mount"]["kernel_opens"]
+        # The daemon's own reader opened nothing: each open counted once, by the data
+        # process that read it (a read state per file: at its first read at offset 0).
+        assert status["reads"]["opens"] <= 2 * (len(OBJECTS) + 4)
