@@ -536,14 +536,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["large"] = large_rows
         scale = []
         for readers in args.scale:
-            cache = cache_root / f"cache-scale-{readers}"
-            with Mount(server, work_dir / f"scale{readers}",
-                       [*ram, "--cache-dir", str(cache)]) as mnt:
-                mnt.list_tree(rel)
-                cold = mnt.read_all(rel, readers)
-                drop_page_cache()
-                warm = mnt.read_all(rel, readers)
-            scale.append({"readers": readers, "cold": cold, "warm_ram": warm})
+            for procs in sorted({0, args.data_processes}):
+                cache = cache_root / f"cache-scale-{readers}-{procs}"
+                extra = ["--data-processes", str(procs)] if procs else []
+                with Mount(server, work_dir / f"scale{readers}",
+                           [*ram, *extra, "--cache-dir", str(cache)]) as mnt:
+                    mnt.list_tree(rel)
+                    cold = mnt.read_all(rel, readers)
+                    drop_page_cache()
+                    warm = mnt.read_all(rel, readers)
+                scale.append({"readers": readers, "data_processes": procs, "cold": cold,
+                              "warm_ram": warm})
         results["scale"] = scale
     return results
 

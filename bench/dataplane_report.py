@@ -50,7 +50,9 @@ def report(results: dict[str, Any]) -> str:
               "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in results["scale"]:
         c, w = row["cold"], row["warm_ram"]
-        lines.append(f"| {row['readers']} | {c['files_per_s']:.0f} | {c['mb_per_s']:.0f} "
+        procs = row.get("data_processes")
+        who = f"{row['readers']}, {procs} data processes" if procs else row["readers"]
+        lines.append(f"| {who} | {c['files_per_s']:.0f} | {c['mb_per_s']:.0f} "
                      f"| {c['cpu_ms_per_file']:.2f} ms | {c['cpu_s_per_gib']:.2f} "
                      f"| {loop_ms(c)} | {w['files_per_s']:.0f} | {w['mb_per_s']:.0f} "
                      f"| {w['cpu_ms_per_file']:.2f} ms | {loop_ms(w)} |")

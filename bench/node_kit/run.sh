@@ -5,7 +5,8 @@
 #   set -o pipefail; DEADLINE=545 bash bench/node_kit/run.sh clones dataplane \
 #       2>&1 | tee $OUT/log.txt            # the `device` tool: carry [".kit"]
 #
-# STEP: smoke (a 200-file dataplane) | dataplane | gpu | placement | gets (the GET engine
+# STEP: smoke (a 200-file dataplane) | dataplane (also a mount with DP_PROCS=4 data
+# processes) | gpu | placement | gets (the GET engine
 # against obstore, bench.large_gets) | clones (more than one serving process on one FUSE
 # connection, bench.fuse_clones: clones splitting a cache, and one process dispatching
 # reads to minimal repliers and to bucketfs's data processes) | clones64 (the same with 64
@@ -35,8 +36,8 @@ for step in "$@"; do
   if [ $left -lt 60 ]; then echo "=== $step skipped: ${left} s left"; continue; fi
   echo "=== $step $(date +%T), at most ${left} s"
   case $step in
-    smoke) timeout $left $PY -m bench.dataplane --files 200 --large-mib 32 --scale 16 --out "$OUT/smoke" ;;
-    dataplane) timeout $(( left < ${DP_LIMIT:-300} ? left : ${DP_LIMIT:-300} )) $PY -m bench.dataplane --files 4000 --large-mib 1024 --scale 16,64 --out "$OUT" ;;
+    smoke) timeout $left $PY -m bench.dataplane --files 200 --large-mib 32 --scale 16 --data-processes 2 --out "$OUT/smoke" ;;
+    dataplane) timeout $(( left < ${DP_LIMIT:-300} ? left : ${DP_LIMIT:-300} )) $PY -m bench.dataplane --files 4000 --large-mib 1024 --scale 16,64 --data-processes ${DP_PROCS:-4} --out "$OUT" ;;
     gpu) timeout $(( left < ${GPU_LIMIT:-240} ? left : ${GPU_LIMIT:-240} )) $PY -m bench.gpu_epoch --images 16384 --epochs 2 --workers 12 --out "$OUT" ;;
     placement) timeout $left $PY -m bench.placement --files 4000 --rounds 1 --variants all,cpus4,cpus2 --out "$OUT" ;;
     gets) timeout $(( left < 120 ? left : 120 )) $PY -m bench.large_gets --mib 1024 --rounds 2 --out "$OUT" ;;
