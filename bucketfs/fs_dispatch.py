@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 REPLIED_ELSEWHERE_PATCH = 5
 
 
+def supported() -> bool:
+    """Whether this pyfuse3 lets another process answer a read (bucketfs's patch)."""
+    return getattr(pyfuse3, "BUCKETFS_PATCH", 0) >= REPLIED_ELSEWHERE_PATCH
+
+
 class DispatchingOperations(Operations):
     """fs.Operations whose reads are answered by `data`'s processes."""
 
@@ -40,7 +45,7 @@ class DispatchingOperations(Operations):
         do); status and metrics read its budgets. `spawn(fn, *args)`: starts a task
         (a nursery's `start_soon`), to look a changed object up again."""
         super().__init__(namespace, reader, **options)  # type: ignore[arg-type]
-        if getattr(pyfuse3, "BUCKETFS_PATCH", 0) < REPLIED_ELSEWHERE_PATCH:
+        if not supported():
             raise ValueError("data processes need the pyfuse3 that `make venv` builds")
         self.data, self.spawn = data, spawn
         #: Per open handle (or, with kernel_opens, per inode: an LRU), the entry read.

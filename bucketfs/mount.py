@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from bucketfs import huge_buffers, huge_pages
+from bucketfs import fs_dispatch, huge_buffers, huge_pages
 from bucketfs.backends import open_backend
 from bucketfs.backends.base import Backend, BackendError, NotFound
 from bucketfs.backends.retry import RetryPolicy
@@ -236,6 +236,9 @@ async def _serve(
                         f"{info.url}")
     info.source = origin_identity(info.url, backend)
     if config.data_processes:
+        if not fs_dispatch.supported():  # before anything is set up for them
+            raise MountError("data_processes: needs the pyfuse3 that `make venv` builds "
+                             "(packaging/pyfuse3/build.py)")
         warnings.append(f"data_processes {config.data_processes}: hints, packing, warm and "
                         "the shared tier are off with data processes (for now)")
         info.shared = None

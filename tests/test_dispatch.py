@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 import trio
 
 from bucketfs.data_jobs import Setup
@@ -85,3 +86,20 @@ def test_a_data_process_that_falls_silent_is_killed_and_started_again():
         os.close(fuse_fd)
     first, second = out["pids"]
     assert data.hung == 1 and first != second
+
+
+def test_a_mount_with_data_processes_on_a_stock_pyfuse3_is_refused_before_any_setup(
+        monkeypatch, tmp_path):
+    """One line saying what to install, before the shards or anything else are made."""
+    from bucketfs import fs_dispatch, mount
+    from bucketfs.backends.urls import parse_bucket_url
+    from bucketfs.config import Config
+    from tests.membackend import MemoryBackend
+
+    monkeypatch.setattr(fs_dispatch, "supported", lambda: False)
+    cache_dir = tmp_path / "cache"
+    info = mount.MountInfo(parse_bucket_url("s3://b"), str(tmp_path / "mnt"),
+                           Config({"data_processes": 2, "cache_dir": str(cache_dir)}))
+    with pytest.raises(mount.MountError, match="needs the pyfuse3 that `make venv`"):
+        trio.run(mount._serve, info, MemoryBackend({"a": b"x"}), lambda warnings: None)
+    assert not cache_dir.exists()
