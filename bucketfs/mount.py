@@ -8,12 +8,15 @@ Order of work:
   3. prove access: a LIST, or with listings saved by an earlier mount a HEAD of an
      object they name; list the root;
   4. start hinted prefetch (unless prefetch_window is 0); pyfuse3.init mounts; from
-     here on every exit path unmounts; listen on the hints socket, which also answers
+     here on every exit path unmounts; with data_processes, start them on the
+     connection (mount_data.py) and wait until they serve; listen on the hints socket,
+     which also answers
      `bucketfs status` and `bucketfs warm` (if that fails, a warning: the mount serves
      without them);
   5. tell the waiting parent we are ready; serve until unmounted or signalled.
-Teardown: unmount, flush what only RAM (or the write queue) holds to SSD, save the
-cache counters, close the index (and delete a temporary one).
+Teardown: unmount, stop the data processes (each flushes to its shard), flush what only
+RAM (or the write queue) holds to SSD, save the cache counters, close the index (and
+delete a temporary one).
 """
 
 from __future__ import annotations
