@@ -193,8 +193,9 @@ class MountCollector(Collector):
                 "CPU seconds of the daemon, all its threads.", value=self.load.process_cpu_s())
 
     def _cache(self) -> Iterator[Metric]:
-        stats, disk, extra = merged(self.cache.stats, self.extra, "cache_"), \
-            self.cache.disk, self.extra
+        stats, disk, extra = self.cache.stats, self.cache.disk, self.extra
+        if self.data is not None:
+            stats = merged(stats, extra, "cache_")
         hits = _counter("cache_hits_total", "Block lookups served by a cache tier.", ("tier",))
         served = _counter("cache_served_bytes_total", "Bytes served from a cache tier.",
                           ("tier",))
@@ -299,7 +300,9 @@ class MountCollector(Collector):
             value=int(shared.up))
 
     def _origin(self) -> Iterator[Metric]:
-        counts = merged(self.store.counts, self.extra, "origin_")
+        counts = self.store.counts
+        if self.data is not None:
+            counts = merged(counts, self.extra, "origin_")
         requests = _counter("origin_requests_total",
                             "Requests sent to the origin, retries included.", ("kind",))
         for kind in REQUEST_KINDS:

@@ -138,10 +138,12 @@ class MountStatus:
         return {} if self.data is None else self.data.counts()
 
     def _requests(self) -> RequestCounts:
-        return merged(self.store.counts, self._extra(), "origin_")
+        counts = self.store.counts
+        return counts if self.data is None else merged(counts, self._extra(), "origin_")
 
     def _stats(self) -> CacheStats:
-        return merged(self.cache.stats, self._extra(), "cache_")
+        stats = self.cache.stats
+        return stats if self.data is None else merged(stats, self._extra(), "cache_")
 
     def _now(self) -> _Sample:
         counts, extra = self._requests(), self._extra()
