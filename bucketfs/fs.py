@@ -218,16 +218,21 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOSYS)
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
-        # As its lookup found it, else from the index (KeyError: never handed out).
-        node = self.looked_up.pop(inode, None) or self.namespace.get(inode)
-        if node.is_dir:
-            raise pyfuse3.FUSEError(errno.EISDIR)
+        node = self.file_entry(inode)
         fh = self._next_fh
         self._next_fh += 1
         self.opened(fh, node)
         # An inode stands for one version (a changed object gets a new inode), and the
         # bytes of a version never change: the kernel page cache may keep them.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    def file_entry(self, inode: int) -> DirEntry:
+        """The file `inode` names, as its lookup found it, else from the index
+        (KeyError: never handed out); EISDIR for a directory."""
+        node = self.looked_up.pop(inode, None) or self.namespace.get(inode)
+        if node.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        return node
 
     def opened(self, fh: int, node: DirEntry) -> None:
         """Keep what reads of the new handle `fh` need."""
@@ -255,11 +260,7 @@ class Operations(pyfuse3.Operations):
         if state is not None and offset != 0:
             self.read_states.move_to_end(inode)
             return state
-        # As its lookup found it, else from the index (KeyError: never handed out).
-        node = state[0] if state is not None else (
-            self.looked_up.pop(inode, None) or self.namespace.get(inode))
-        if node.is_dir:
-            raise pyfuse3.FUSEError(errno.EISDIR)
+        node = state[0] if state is not None else self.file_entry(inode)
         state = self.read_states[inode] = (
             node, self.reader.open(node.key, node.version, node.size))
         self.read_states.move_to_end(inode)

@@ -67,11 +67,7 @@ class DispatchingOperations(Operations):
             return self.nodes[fh]
         node = self.nodes.get(fh)  # fh: the inode (the kernel opened the file itself)
         if node is None:
-            # As its lookup found it, else from the index (KeyError: never handed out).
-            node = self.looked_up.pop(fh, None) or self.namespace.get(fh)
-            if node.is_dir:
-                raise pyfuse3.FUSEError(errno.EISDIR)
-            self.nodes[fh] = node
+            node = self.nodes[fh] = self.file_entry(fh)
             if len(self.nodes) > READ_STATES:
                 self.nodes.popitem(last=False)
         else:

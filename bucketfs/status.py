@@ -137,16 +137,19 @@ class MountStatus:
         """The data processes' counters (nothing without them)."""
         return {} if self.data is None else self.data.counts()
 
-    def _requests(self) -> RequestCounts:
+    def _requests(self, extra: Counts | None = None) -> RequestCounts:
         counts = self.store.counts
-        return counts if self.data is None else merged(counts, self._extra(), "origin_")
+        if self.data is None:
+            return counts
+        return merged(counts, self._extra() if extra is None else extra, "origin_")
 
     def _stats(self) -> CacheStats:
         stats = self.cache.stats
         return stats if self.data is None else merged(stats, self._extra(), "cache_")
 
     def _now(self) -> _Sample:
-        counts, extra = self._requests(), self._extra()
+        extra = self._extra()  # summed over every process: once per sample
+        counts = self._requests(extra)
         return _Sample(time.monotonic(), counts.bytes_fetched,
                        counts.get + counts.head + counts.list,
                        self.reader.opens + extra.get("reader_opens", 0),
